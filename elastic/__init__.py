@@ -1,0 +1,1 @@
+"""elastic: Ray-based elastic distributed trainer."""

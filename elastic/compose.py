@@ -1,0 +1,156 @@
+"""From command-line overrides to a validated config, with one-line errors.
+
+:func:`preflight` composes the config with Hydra's compose API before the real Hydra
+entry point runs, so any mistake (unknown key or experiment, wrong type, bad value,
+missing data) ends the program with exit code 2 and one line naming the key and the fix,
+before Hydra writes an output directory and before Ray starts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from elastic.config import ConfigError, TrainConfig, register_schemas, resolve_paths, to_typed
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+EXIT_CONFIG_ERROR = 2
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _hydra_message(e: Exception, overrides: list[str]) -> str:
+    """Turn Hydra/OmegaConf composition errors into one actionable line."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+
+    text = str(e)
+    if isinstance(e, MissingConfigException) and "experiment/" in text:
+        name = text.split("experiment/", 1)[1].split("'", 1)[0]
+        available = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+        return (
+            f"unknown experiment {name!r}: there is no conf/experiment/{name}.yaml; "
+            f"use one of: {', '.join(available)}"
+        )
+    cause = e.__cause__ if e.__cause__ is not None else e
+    if isinstance(cause, OmegaConfBaseException):
+        key = getattr(cause, "full_key", "") or ""
+        msg = getattr(cause, "msg", str(cause)).splitlines()[0]
+        if "not in struct" in msg or "Could not override" in text:
+            override = text.split("'", 2)[1] if "'" in text else key
+            return (
+                f"unknown config key in override {override!r}: check its spelling against "
+                "the README's config keys"
+            )
+        return f"bad value for {key}: {msg}; fix the override or the config file"
+    if isinstance(e, ConfigCompositionException):
+        return _one_line(text.splitlines()[0]) + " (check the override against the README)"
+    return _one_line(text)
+
+
+def _runtime_overrides(args: list[str]) -> list[str]:
+    """The config overrides among Hydra's arguments (flags and hydra.* settings excluded)."""
+    out = []
+    for a in args:
+        if a.startswith("-") or "=" not in a:
+            continue
+        if a.lstrip("+~").startswith("hydra.") or a.lstrip("+~").startswith("hydra/"):
+            continue
+        out.append(a)
+    return out
+
+
+def _expand_sweeps(overrides: list[str]) -> list[list[str]]:
+    """Every combination a multirun (-m) would run, so each is checked up front."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    choices = []
+    for o in parsed:
+        if o.is_sweep_override():
+            key = o.get_key_element()
+            choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+        else:
+            choices.append([o.input_line])
+    return [list(c) for c in itertools.product(*choices)]
+
+
+def compose(overrides: list[str]) -> tuple[DictConfig, str]:
+    """Compose ``conf/train.yaml`` with overrides; returns (config, experiment name)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_schemas()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = hydra_compose("train", overrides=overrides, return_hydra_config=True)
+    experiment = cfg.hydra.runtime.choices.get("experiment") or ""
+    OmegaConf.set_struct(cfg, False)
+    del cfg["hydra"]
+    return cfg, experiment
+
+
+def typed_config(cfg: DictConfig, experiment: str, output_dir: str = "") -> TrainConfig:
+    """Validated typed config with absolute paths, experiment name and output dir set."""
+    cfg = cfg.copy()
+    OmegaConf.set_struct(cfg, False)
+    cfg.run.experiment = experiment
+    cfg.run.output_dir = output_dir
+    typed = resolve_paths(to_typed(cfg), os.getcwd())
+    check_data(typed)
+    return typed
+
+
+def check_data(cfg: TrainConfig) -> None:
+    """Data errors at config time; synthetic data that is missing gets generated later."""
+    from elastic.data import check_dataset, input_width
+
+    if cfg.data.synthetic is not None and not os.path.isdir(cfg.data.path):
+        return
+    check_dataset(cfg.data)
+    width = input_width(cfg.data)
+    expected = getattr(cfg.model, "input_dim", None)
+    if width is not None and expected is not None and width != expected:
+        raise ConfigError(
+            f"model.input_dim={expected} but column {cfg.data.input_column!r} in "
+            f"{cfg.data.path} has width {width}: set model.input_dim={width}"
+        )
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_CONFIG_ERROR)
+
+
+def preflight(args: list[str]) -> None:
+    """Check every run the command line asks for; exit 2 with one line on the first error."""
+    from hydra.errors import HydraException
+
+    overrides = _runtime_overrides(args)
+    try:
+        runs = _expand_sweeps(overrides)
+    except HydraException as e:
+        fail(f"cannot parse overrides ({_one_line(str(e).splitlines()[0])}): use key=value")
+    for run_overrides in runs:
+        try:
+            cfg, experiment = compose(run_overrides)
+            typed_config(cfg, experiment)
+        except ConfigError as e:
+            fail(str(e))
+        except (HydraException, OmegaConfBaseException) as e:
+            fail(_hydra_message(e, run_overrides))
+
+
+def plain(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as plain data (for W&B and the record)."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(container, dict)
+    return {str(k): v for k, v in container.items() if k != "hydra"}

@@ -1,0 +1,274 @@
+"""Typed, validated run configuration.
+
+Hydra composes YAML from ``conf/``; :func:`to_typed` turns that DictConfig into the
+dataclasses below once, on the driver. After that no code sees Hydra or OmegaConf, and
+every mistake a user can make in a config has already failed here with one line that
+names the key and the fix (:class:`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from elastic.models import MODEL_SCHEMAS
+
+
+class ConfigError(ValueError):
+    """A user-fixable configuration mistake; the message is one line naming key and fix."""
+
+
+@dataclass
+class SyntheticDataConfig:
+    """How to generate the synthetic dataset when ``data.path`` does not exist yet."""
+
+    rows: int = 4096
+    val_rows: int = 512
+    shards: int = 8
+    input_dim: int = 64
+    output_dim: int = 1
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    path: str = MISSING
+    """Directory of training Parquet shards."""
+    val_path: str | None = None
+    """Directory of validation Parquet shards; null = no validation."""
+    global_batch_size: int = 64
+    """Samples per optimizer step, summed over all workers; kept at every world size."""
+    micro_batch_size: int | None = None
+    """Per-worker forward batch; the per-worker share (global / world size) must be a
+    multiple of it, the rest is gradient accumulation. null = the whole share at once."""
+    input_column: str = "x"
+    target_column: str = "y"
+    seed: int = 0
+    synthetic: SyntheticDataConfig | None = None
+    """Set for generated data: the dataset is written to ``path`` when it is missing."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    """constant | cosine (cosine decays to 0 over trainer.max_steps after warmup)."""
+
+
+@dataclass
+class StrategyConfig:
+    zero_stage: int = 0
+    precision: str = "fp32"
+    """fp32 | bf16"""
+    gradient_clipping: float = 0.0
+
+
+@dataclass
+class ScalingConfig:
+    min_workers: int = 2
+    max_workers: int = 2
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    """0 = no step limit (then max_epochs bounds the run)."""
+    max_epochs: int = 1
+    """0 = no epoch limit (then max_steps bounds the run)."""
+    log_every_steps: int = 10
+    val_every_steps: int = 0
+    """0 = validate only at the end."""
+    seed: int = 0
+    stop_at_step: int = 0
+    """>0: checkpoint and stop after this step, resumable later (a fixed slice of a run)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 50
+    """0 = only at the end."""
+    keep: int = 2
+
+
+@dataclass
+class RunConfig:
+    name: str = MISSING
+    storage_path: str = "runs"
+    experiment: str = ""
+    """Filled from ``+experiment=NAME`` by the entry point."""
+    output_dir: str = ""
+    """Hydra's output directory (summary.json goes there); filled by the entry point."""
+
+
+@dataclass
+class LoggerConfig:
+    kind: str = "wandb"
+    """wandb | none"""
+    project: str = "elastic"
+    entity: str | None = None
+    mode: str = "auto"
+    """auto (online when a W&B key is configured, else offline) | online | offline"""
+
+
+@dataclass
+class ClusterConfig:
+    address: str = ""
+    """Empty: start an embedded local Ray cluster. Else the head's explicit address."""
+    num_cpus: int | None = None
+    """CPUs for the embedded cluster (null = all of this machine's)."""
+    object_store_memory_mb: int = 512
+
+
+@dataclass
+class TrainConfig:
+    model: Any = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
+def register_schemas() -> None:
+    """Register the schemas so ``conf/`` YAML is type-checked while Hydra composes it."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for name, schema in MODEL_SCHEMAS.items():
+        cs.store(group="schema/model", name=name, node=schema)
+
+
+def to_typed(cfg: DictConfig) -> TrainConfig:
+    """DictConfig from Hydra -> validated :class:`TrainConfig` (raises ConfigError)."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"config key {missing[0]} has no value: set it, e.g. {missing[0]}=...")
+    typed = OmegaConf.to_object(cfg)
+    assert isinstance(typed, TrainConfig)
+    validate(typed)
+    return typed
+
+
+def _allowed(key: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not valid: use one of {', '.join(choices)}")
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key}={value} is not valid: it must be {bound}")
+
+
+def valid_world_sizes(cfg: TrainConfig) -> list[int]:
+    """World sizes in min..max that split the global batch into whole micro batches."""
+    from elastic.batch import BatchPlan
+
+    sizes = range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1)
+    ok = []
+    for w in sizes:
+        try:
+            BatchPlan.for_world(cfg.data.global_batch_size, w, cfg.data.micro_batch_size)
+        except ValueError:
+            continue
+        ok.append(w)
+    return ok
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Reject every value the run could not use, naming the key and the fix."""
+    s, sc, d, t, o = cfg.strategy, cfg.scaling, cfg.data, cfg.trainer, cfg.optim
+    if s.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(
+            f"strategy.zero_stage={s.zero_stage} is not valid: use 0, 1, 2 or 3 (DeepSpeed ZeRO)"
+        )
+    _allowed("strategy.precision", s.precision, ("fp32", "bf16"))
+    _positive("strategy.gradient_clipping", s.gradient_clipping, allow_zero=True)
+    if sc.min_workers < 1:
+        raise ConfigError(f"scaling.min_workers={sc.min_workers} is not valid: it must be >= 1")
+    if sc.min_workers > sc.max_workers:
+        raise ConfigError(
+            f"scaling.min_workers={sc.min_workers} > scaling.max_workers={sc.max_workers}: "
+            "set min_workers <= max_workers"
+        )
+    _positive("scaling.cpus_per_worker", sc.cpus_per_worker)
+    _positive("data.global_batch_size", d.global_batch_size)
+    if d.micro_batch_size is not None:
+        _positive("data.micro_batch_size", d.micro_batch_size)
+    bad = [w for w in range(sc.min_workers, sc.max_workers + 1) if w not in valid_world_sizes(cfg)]
+    if bad:
+        raise ConfigError(
+            f"data.global_batch_size={d.global_batch_size} does not split into whole micro "
+            f"batches at world size {bad[0]} (micro_batch_size={d.micro_batch_size}): "
+            f"use a multiple of {_lcm_hint(cfg)}"
+        )
+    if not str(d.path).strip():
+        raise ConfigError("data.path is empty: set data.path=/dir/with/parquet/shards")
+    _positive("trainer.max_steps", t.max_steps, allow_zero=True)
+    _positive("trainer.max_epochs", t.max_epochs, allow_zero=True)
+    if t.max_steps == 0 and t.max_epochs == 0:
+        raise ConfigError(
+            "trainer.max_steps=0 and trainer.max_epochs=0 would never stop: set one of them > 0"
+        )
+    _positive("trainer.log_every_steps", t.log_every_steps)
+    _positive("trainer.val_every_steps", t.val_every_steps, allow_zero=True)
+    _positive("trainer.stop_at_step", t.stop_at_step, allow_zero=True)
+    _allowed("optim.name", o.name, ("adamw", "adam", "sgd"))
+    _allowed("optim.schedule", o.schedule, ("constant", "cosine"))
+    _positive("optim.lr", o.lr)
+    _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
+    _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+    if o.schedule == "cosine" and t.max_steps == 0:
+        raise ConfigError("optim.schedule=cosine needs trainer.max_steps > 0 to know its length")
+    _positive("checkpoint.every_steps", cfg.checkpoint.every_steps, allow_zero=True)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
+    _allowed("logger.kind", cfg.logger.kind, ("wandb", "none"))
+    _allowed("logger.mode", cfg.logger.mode, ("auto", "online", "offline"))
+    if not cfg.run.name or "/" in cfg.run.name:
+        raise ConfigError(
+            f"run.name={cfg.run.name!r} is not valid: use a non-empty name without '/'"
+        )
+    if type(cfg.model) not in MODEL_SCHEMAS.values():
+        raise ConfigError("model is not set: choose one with model=NAME (see conf/model/)")
+    cfg.model.validate()
+
+
+def _lcm_hint(cfg: TrainConfig) -> int:
+    import math
+
+    micro = cfg.data.micro_batch_size or 1
+    lcm = 1
+    for w in range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1):
+        lcm = math.lcm(lcm, w * micro)
+    return lcm
+
+
+def resolve_paths(cfg: TrainConfig, base_dir: str) -> TrainConfig:
+    """Make every path absolute (relative ones are relative to ``base_dir``, the user's cwd)."""
+
+    def absolute(p: str) -> str:
+        p = os.path.expanduser(p)
+        return p if os.path.isabs(p) else os.path.normpath(os.path.join(base_dir, p))
+
+    data = dataclasses.replace(
+        cfg.data,
+        path=absolute(cfg.data.path),
+        val_path=absolute(cfg.data.val_path) if cfg.data.val_path else None,
+    )
+    run = dataclasses.replace(cfg.run, storage_path=absolute(cfg.run.storage_path))
+    return dataclasses.replace(cfg, data=data, run=run)

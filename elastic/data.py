@@ -1,0 +1,249 @@
+"""Parquet shards -> Ray Data -> per-worker step batches.
+
+Driver side: :func:`check_dataset` validates the shard directory before Ray starts;
+:func:`build_datasets` reads it with ``ray.data.read_parquet`` and decodes in
+``map_batches``. Worker side: :class:`StepStream` turns the worker's streaming split into
+one batch per optimizer step, in lock step with the other workers, so that workers whose
+share of the epoch runs out early still take part in every collective.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from elastic.config import ConfigError, DataConfig
+
+ID_COLUMN = "sample_id"
+
+
+def list_shards(path: str, key: str = "data.path") -> list[str]:
+    """The sorted ``.parquet`` files of a directory, or a ConfigError naming the key."""
+    if not os.path.exists(path):
+        raise ConfigError(f"{key}={path} does not exist: point {key} at a directory of shards")
+    if not os.path.isdir(path):
+        raise ConfigError(f"{key}={path} is not a directory: point it at a directory of shards")
+    files = sorted(
+        os.path.join(path, f)
+        for f in os.listdir(path)
+        if f.endswith(".parquet") and not f.startswith(".")
+    )
+    if not files:
+        raise ConfigError(
+            f"{key}={path} holds no .parquet files: prepare the dataset there or fix the path"
+        )
+    return files
+
+
+def check_dataset(cfg: DataConfig) -> dict[str, int]:
+    """Every shard opens and has the columns the run needs; returns rows per split.
+
+    Reads only Parquet footers, so it is cheap even for thousands of shards.
+    """
+    required = (ID_COLUMN, cfg.input_column, cfg.target_column)
+    rows = {}
+    splits = [("train", "data.path", cfg.path)]
+    if cfg.val_path:
+        splits.append(("val", "data.val_path", cfg.val_path))
+    for split, key, path in splits:
+        total = 0
+        for f in list_shards(path, key):
+            try:
+                meta = pq.read_metadata(f)
+            except (pa.ArrowInvalid, OSError) as e:
+                raise ConfigError(
+                    f"{f} is not a readable Parquet file ({str(e).splitlines()[0]}): "
+                    "regenerate or remove it"
+                ) from None
+            names = meta.schema.to_arrow_schema().names
+            for col in required:
+                if col not in names:
+                    raise ConfigError(
+                        f"{f} has no column {col!r} (columns: {', '.join(names)}): "
+                        f"regenerate the shard or set data.input_column/data.target_column"
+                    )
+            total += meta.num_rows
+        rows[split] = total
+    return rows
+
+
+def _column_to_numpy(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Arrow column -> numpy without per-row Python objects (fixed-size lists reshape)."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if pa.types.is_fixed_size_list(column.type):
+        width = column.type.list_size
+        flat = column.flatten()
+        return _column_to_numpy(flat).reshape(len(column), width)
+    return column.to_numpy(zero_copy_only=False)
+
+
+def decode_batch(batch: pa.Table, input_column: str, target_column: str) -> dict[str, np.ndarray]:
+    """One Arrow batch of shard rows -> the arrays the model consumes."""
+    return {
+        ID_COLUMN: _column_to_numpy(batch[ID_COLUMN]).astype(np.int64, copy=False),
+        "x": _column_to_numpy(batch[input_column]),
+        "y": _column_to_numpy(batch[target_column]),
+    }
+
+
+def build_datasets(cfg: DataConfig) -> dict[str, Any]:
+    """Lazy Ray datasets: ``train`` and, when configured, ``val``."""
+    import ray.data
+
+    def load(path: str) -> ray.data.Dataset:
+        ds = ray.data.read_parquet(
+            list_shards(path),
+            columns=[ID_COLUMN, cfg.input_column, cfg.target_column],
+        )
+        return ds.map_batches(
+            decode_batch,
+            batch_format="pyarrow",
+            zero_copy_batch=True,
+            fn_kwargs={"input_column": cfg.input_column, "target_column": cfg.target_column},
+        )
+
+    datasets = {"train": load(cfg.path)}
+    if cfg.val_path:
+        datasets["val"] = load(cfg.val_path)
+    return datasets
+
+
+def data_config() -> Any:
+    """Ray Train DataConfig: deterministic, lossless splits.
+
+    ``preserve_order`` makes each worker's share and order the same run to run (which
+    makes resume at the same world size exact). ``equal=False`` because Ray's equal
+    split drops up to world_size - 1 rows per epoch, and we train every row:
+    :class:`StepStream` keeps workers in lock step when their shares differ.
+    """
+    from ray.data import ExecutionOptions
+    from ray.train import DataConfig as RayDataConfig
+
+    class LosslessDataConfig(RayDataConfig):
+        def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+            output: list[dict[str, Any]] = [{} for _ in range(world_size)]
+            for name, ds in datasets.items():
+                ds = ds.copy(ds)
+                ds.context.execution_options = self._resolve_execution_options(name)
+                for i, split in enumerate(ds.streaming_split(world_size, equal=False)):
+                    output[i][name] = split
+            return output
+
+    return LosslessDataConfig(execution_options=ExecutionOptions(preserve_order=True))
+
+
+@dataclass
+class StepBatch:
+    """This worker's rows for one optimizer step, and the step's row count on all workers."""
+
+    sample_id: np.ndarray
+    x: np.ndarray
+    y: np.ndarray
+    global_rows: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.sample_id.shape[0])
+
+
+class StepStream:
+    """This worker's share of one epoch, cut into per-step batches, in lock step.
+
+    Each step takes up to ``rows_per_step`` rows from this worker's split and all-reduces
+    the row count, so every worker runs the same number of steps (an empty batch where its
+    share has run out) and the loss can be weighted by the true global row count. The
+    epoch ends when a step finds no rows anywhere.
+
+    Resume: ``skip_rows`` drops the first rows of the split (exact when the world size is
+    unchanged: splits are deterministic); ``skip_ids`` drops rows already trained
+    (a packed bitmap over ``sample_id``, for a changed world size).
+    """
+
+    def __init__(
+        self,
+        shard: Any,
+        rows_per_step: int,
+        count_all_reduce: Any,
+        skip_rows: int = 0,
+        skip_ids: np.ndarray | None = None,
+        prefetch_batches: int = 2,
+        empty: dict[str, np.ndarray] | None = None,
+    ) -> None:
+        self._batches = iter(
+            shard.iter_batches(
+                batch_size=rows_per_step, batch_format="numpy", prefetch_batches=prefetch_batches
+            )
+        )
+        self._rows_per_step = rows_per_step
+        self._count_all_reduce = count_all_reduce
+        self._skip_rows = skip_rows
+        self._skip_ids = skip_ids
+        self._pending: list[dict[str, np.ndarray]] = []
+        self._pending_rows = 0
+        self._exhausted = False
+        # shapes for an empty batch, should this worker's share be empty from the start
+        self._empty = empty
+
+    def _filter(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self._skip_rows:
+            drop = min(self._skip_rows, len(batch[ID_COLUMN]))
+            self._skip_rows -= drop
+            batch = {k: v[drop:] for k, v in batch.items()}
+        if self._skip_ids is not None and len(batch[ID_COLUMN]):
+            ids = batch[ID_COLUMN]
+            byte = ids >> 3
+            inside = byte < self._skip_ids.shape[0]
+            seen = np.zeros(ids.shape, dtype=bool)
+            seen[inside] = (self._skip_ids[byte[inside]] >> (7 - (ids[inside] & 7))) & 1 == 1
+            if seen.any():
+                batch = {k: v[~seen] for k, v in batch.items()}
+        return batch
+
+    def _take_local(self) -> dict[str, np.ndarray]:
+        """Up to rows_per_step rows; whole Ray batches pass through without a copy."""
+        while self._pending_rows < self._rows_per_step and not self._exhausted:
+            try:
+                batch = self._filter(next(self._batches))
+            except StopIteration:
+                self._exhausted = True
+                break
+            self._empty = {k: v[:0] for k, v in batch.items()}
+            if len(batch[ID_COLUMN]):
+                self._pending.append(batch)
+                self._pending_rows += len(batch[ID_COLUMN])
+        if not self._pending:
+            return self._empty if self._empty is not None else {}
+        if len(self._pending) == 1 and self._pending_rows <= self._rows_per_step:
+            out, self._pending, self._pending_rows = self._pending[0], [], 0
+            return out
+        merged = {k: np.concatenate([b[k] for b in self._pending]) for k in self._pending[0]}
+        n = self._rows_per_step
+        out = {k: v[:n] for k, v in merged.items()}
+        rest = {k: v[n:] for k, v in merged.items()}
+        self._pending_rows = len(rest[ID_COLUMN])
+        self._pending = [rest] if self._pending_rows else []
+        return out
+
+    def __iter__(self) -> Iterator[StepBatch]:
+        while True:
+            local = self._take_local()
+            rows = len(local[ID_COLUMN]) if local else 0
+            global_rows = self._count_all_reduce(rows)
+            if global_rows == 0:
+                return
+            if not local:
+                raise RuntimeError("no batch shapes known for an empty batch: pass empty=")
+            yield StepBatch(local[ID_COLUMN], local["x"], local["y"], global_rows)
+
+
+def input_width(cfg: DataConfig) -> int | None:
+    """Width of the input column when it is a fixed-size list (None for other encodings)."""
+    field_type = pq.read_schema(list_shards(cfg.path)[0]).field(cfg.input_column).type
+    return field_type.list_size if pa.types.is_fixed_size_list(field_type) else None

@@ -1,0 +1,100 @@
+"""The driver: data ready -> Ray -> TorchTrainer.fit() -> summary.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from elastic.config import TrainConfig
+from elastic.data import build_datasets, check_dataset, data_config
+
+
+def prepare_data(cfg: TrainConfig) -> dict[str, int]:
+    """Generate synthetic data that is configured but missing, then check every shard."""
+    syn = cfg.data.synthetic
+    if syn is not None and not (
+        os.path.isdir(cfg.data.path) and (not cfg.data.val_path or os.path.isdir(cfg.data.val_path))
+    ):
+        from elastic.synthetic import generate
+
+        print(f"[elastic] generating synthetic data in {cfg.data.path}", flush=True)
+        generate(
+            cfg.data.path,
+            cfg.data.val_path,
+            syn.rows,
+            syn.val_rows,
+            syn.shards,
+            syn.input_dim,
+            syn.output_dim,
+            syn.seed,
+        )
+    return check_dataset(cfg.data)
+
+
+def run_dir(cfg: TrainConfig) -> str:
+    return os.path.join(cfg.run.storage_path, cfg.run.name)
+
+
+def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
+    """Run training to the end and return the summary (also written to summary.json)."""
+    import ray.data
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from elastic import cluster
+    from elastic.loop import train_loop
+
+    rows = prepare_data(cfg)
+    out = run_dir(cfg)
+    print(f"[elastic] run {cfg.run.name}: checkpoints and metrics in {out}", flush=True)
+    print(f"[elastic] dataset: {rows.get('train', 0)} train rows, {rows.get('val', 0)} val rows")
+    sc = cfg.scaling
+    workers: int | tuple[int, int] = (
+        sc.min_workers if sc.min_workers == sc.max_workers else (sc.min_workers, sc.max_workers)
+    )
+    started = time.time()
+    with cluster.connect(cfg.cluster, sc) as where:
+        print(f"[elastic] connected to {where}", flush=True)
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        trainer = TorchTrainer(
+            train_loop,
+            train_loop_config={"cfg": cfg, "config_dict": config_dict, "run_dir": out},
+            scaling_config=ScalingConfig(
+                num_workers=workers,
+                use_gpu=sc.use_gpu,
+                resources_per_worker={"CPU": sc.cpus_per_worker},
+            ),
+            run_config=RunConfig(
+                name=cfg.run.name,
+                storage_path=cfg.run.storage_path,
+                checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+                failure_config=FailureConfig(max_failures=0),
+            ),
+            datasets=build_datasets(cfg.data),
+            dataset_config=data_config(),
+            torch_config=TorchConfig(backend="nccl" if sc.use_gpu else "gloo"),
+        )
+        result = trainer.fit()
+    metrics = result.metrics or {}
+    summary: dict[str, Any] = {
+        "status": "finished",
+        "experiment": cfg.run.experiment,
+        "run_name": cfg.run.name,
+        **(metrics.get("summary") or {}),
+        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "wall_s": time.time() - started,
+    }
+    summary.setdefault("wandb_dir", None)
+    return summary
+
+
+def write_summary(summary: dict[str, Any], output_dir: str) -> str:
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "summary.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=2)
+    os.replace(tmp, path)
+    return path

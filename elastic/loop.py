@@ -1,0 +1,366 @@
+"""The per-worker training loop (runs inside every Ray Train worker).
+
+Top to bottom: world size -> batch plan -> model + DeepSpeed -> resume -> for each step
+{wait data, forward, backward, optimizer step, account samples, log, maybe checkpoint}
+-> validate -> final checkpoint -> close.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import warnings
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from elastic import checkpoint as ckpt
+from elastic.batch import BatchPlan
+from elastic.config import TrainConfig
+from elastic.data import StepBatch, StepStream
+from elastic.engine import build_engine, init_distributed
+from elastic.models import MetricSums, per_sample_loss
+from elastic.tracking import NullTracker, make_tracker
+
+PHASES = ("data_wait", "forward", "backward", "optimizer", "checkpoint")
+
+# Batches arrive as read-only numpy views of Ray's object store; torch only reads them,
+# so we wrap them without a copy and silence torch's warning about writability.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    import ray.train
+
+    cfg: TrainConfig = config["cfg"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    plan = BatchPlan.for_world(cfg.data.global_batch_size, world, cfg.data.micro_batch_size)
+
+    init_distributed(cfg.scaling.use_gpu)
+    _seed_everything(cfg.trainer.seed)
+    model = cfg.model.build()
+    engine = build_engine(cfg, plan, model)
+
+    state = ckpt.TrainerState()
+    resume_from = ray.train.get_checkpoint()
+    if resume_from is not None:
+        state = ckpt.restore(engine, resume_from, rank, world)
+    tracker = make_tracker(
+        rank,
+        cfg=cfg.logger,
+        run_dir=config["run_dir"],
+        run_name=cfg.run.name,
+        experiment=cfg.run.experiment,
+        config=config["config_dict"],
+        run_id=state.wandb_run_id,
+    )
+    state.wandb_run_id = tracker.run_id
+    _note_start(state, tracker, plan, resumed=resume_from is not None)
+
+    trainer = _Trainer(cfg, engine, plan, state, tracker, rank, world)
+    trainer.train(ray.train.get_dataset_shard("train"))
+    val = trainer.validate(ray.train.get_dataset_shard("val") if cfg.data.val_path else None)
+    trainer.finish(val)
+    tracker.finish()
+    dist.barrier()
+
+
+def _seed_everything(seed: int) -> None:
+    # the same seed on every rank: every rank must build the same initial model
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _note_start(
+    state: ckpt.TrainerState, tracker: NullTracker, plan: BatchPlan, resumed: bool
+) -> None:
+    if resumed:
+        tracker.event(state.step, "resume", world_size=plan.world_size, epoch=state.epoch)
+    if not state.world_sizes or state.world_sizes[-1] != plan.world_size:
+        state.world_sizes.append(plan.world_size)
+        state.batch_plans.append(plan.to_dict())
+        tracker.event(
+            state.step,
+            "world_size",
+            world_size=plan.world_size,
+            micro_batch_size=plan.micro_batch_size,
+            grad_accum_steps=plan.grad_accum_steps,
+        )
+
+
+class _Trainer:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        engine: Any,
+        plan: BatchPlan,
+        state: ckpt.TrainerState,
+        tracker: NullTracker,
+        rank: int,
+        world: int,
+    ) -> None:
+        self.cfg, self.engine, self.plan, self.state = cfg, engine, plan, state
+        self.tracker, self.rank, self.world = tracker, rank, world
+        self.task = cfg.model.task
+        self.device = engine.device
+        self.dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
+        self.times: dict[str, float] = defaultdict(float)
+        self.session_start = self.train_start = self.train_end = time.perf_counter()
+        self.steady_start: float | None = None
+        self.steady_samples = 0
+        self.stopped_early = False
+        self._last_checkpoint_step = state.step if state.step else -1
+        # loss over the current log interval: [sum of per-sample losses, rows]
+        self._interval = torch.zeros(2, dtype=torch.float64)
+        self._interval_start = time.perf_counter()
+        self._interval_data_wait = 0.0
+
+    # -- stopping rules ---------------------------------------------------------------
+    def _done(self) -> bool:
+        t, s = self.cfg.trainer, self.state
+        return (
+            (t.max_steps > 0 and s.step >= t.max_steps)
+            or (t.max_epochs > 0 and s.epoch >= t.max_epochs)
+            or self.stopped_early
+        )
+
+    # -- training ---------------------------------------------------------------------
+    def train(self, shard: Any) -> None:
+        self.engine.train()
+        self.session_start = self.train_start = time.perf_counter()
+        while not self._done():
+            stream = self._epoch_stream(shard)
+            epoch_finished = True
+            batches = iter(stream)
+            while True:
+                t0 = time.perf_counter()
+                batch = next(batches, None)
+                self._add_time("data_wait", t0)
+                if batch is None:
+                    break
+                self._train_step(batch)
+                if self.steady_start is None:
+                    # throughput counts from the end of the first step: the pipeline's
+                    # start-up (first batch) is in data_wait, not in samples/s
+                    self.steady_start, self.steady_samples = time.perf_counter(), 0
+                else:
+                    self.steady_samples += batch.global_rows
+                if self._done():
+                    epoch_finished = False
+                    break
+            if epoch_finished:
+                self._close_epoch()
+        self.train_end = time.perf_counter()
+        self._fold_times()
+
+    def _epoch_stream(self, shard: Any) -> StepStream:
+        ledger = self.state.ledger
+        skip_rows = 0
+        if ledger.rows_by_rank and ledger.world_size == self.world:
+            # same world size: the split is deterministic, so skipping our own first rows
+            # resumes exactly where the checkpointed run was
+            skip_rows = ledger.rows_by_rank[self.rank]
+        skip_ids = ledger.bitmap if ledger.trained and not skip_rows else None
+        return StepStream(
+            shard,
+            self.plan.per_worker,
+            self._all_reduce_count,
+            skip_rows,
+            skip_ids,
+            empty=self._empty_batch(),
+        )
+
+    def _all_reduce_count(self, rows: int) -> int:
+        t = torch.tensor([rows], dtype=torch.int64, device=self._collective_device)
+        dist.all_reduce(t)
+        return int(t.item())
+
+    @property
+    def _collective_device(self) -> torch.device:
+        return self.device if self.cfg.scaling.use_gpu else torch.device("cpu")
+
+    def _train_step(self, batch: StepBatch) -> None:
+        plan, engine = self.plan, self.engine
+        x = torch.from_numpy(batch.x).to(self.device, self.dtype)
+        y = torch.from_numpy(batch.y).to(self.device)
+        # Weight per-sample losses so the gradient is the mean over the step's rows on all
+        # workers, even when a worker has fewer rows (end of epoch): DeepSpeed divides by
+        # the accumulation steps and averages over workers, which this factor undoes.
+        weight = plan.world_size * plan.grad_accum_steps / batch.global_rows
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for xs, ys in zip(
+            torch.tensor_split(x, plan.grad_accum_steps),
+            torch.tensor_split(y, plan.grad_accum_steps),
+            strict=True,
+        ):
+            t0 = time.perf_counter()
+            losses = per_sample_loss(self.task, engine(xs).float(), ys)
+            loss = losses.sum() * weight
+            self._add_time("forward", t0)
+            t0 = time.perf_counter()
+            engine.backward(loss)
+            self._add_time("backward", t0)
+            t0 = time.perf_counter()
+            engine.step()
+            self._add_time("optimizer", t0)
+            loss_sum += losses.detach().double().sum().cpu()
+        self.state.ledger.record(batch.sample_id)
+        self.state.step += 1
+        self.state.samples_seen += batch.global_rows
+        self._interval += torch.stack(
+            [loss_sum, torch.tensor(float(batch.rows), dtype=torch.float64)]
+        )
+        self._maybe_log()
+        self._maybe_checkpoint()
+
+    def _add_time(self, phase: str, since: float) -> None:
+        self.times[phase] += time.perf_counter() - since
+
+    def _maybe_log(self) -> None:
+        s, t = self.state, self.cfg.trainer
+        last = (t.max_steps > 0 and s.step >= t.max_steps) or s.step == t.stop_at_step
+        if s.step % t.log_every_steps and not last and s.step != 1:
+            return
+        totals = self._interval.to(self._collective_device)
+        dist.all_reduce(totals)
+        loss = float(totals[0] / totals[1])
+        now = time.perf_counter()
+        elapsed = now - self._interval_start
+        samples_per_s = float(totals[1]) / elapsed if elapsed > 0 else 0.0
+        data_wait = self.times["data_wait"] - self._interval_data_wait
+        if s.loss_first is None:
+            s.loss_first = loss
+        s.loss_last = loss
+        lr = self.engine.get_lr()[0]
+        self.tracker.log(
+            s.step,
+            {
+                "train/loss": loss,
+                "train/lr": lr,
+                "train/samples_per_s": samples_per_s,
+                "train/samples_per_s_per_worker": samples_per_s / self.world,
+                "train/data_wait_share": data_wait / elapsed if elapsed > 0 else 0.0,
+                "train/epoch": s.epoch,
+                "train/world_size": self.world,
+                "train/samples_seen": s.samples_seen,
+            },
+            console=(
+                f"[elastic] step {s.step}{self._of_max()} epoch {s.epoch} | loss {loss:.6g} | "
+                f"{samples_per_s:,.0f} samples/s | data wait {100 * data_wait / elapsed:.1f}% "
+                f"| world {self.world}"
+            ),
+        )
+        self._interval.zero_()
+        self._interval_start = now
+        self._interval_data_wait = self.times["data_wait"]
+
+    def _of_max(self) -> str:
+        return f"/{self.cfg.trainer.max_steps}" if self.cfg.trainer.max_steps else ""
+
+    def _maybe_checkpoint(self) -> None:
+        s, t, every = self.state, self.cfg.trainer, self.cfg.checkpoint.every_steps
+        if t.stop_at_step and s.step >= t.stop_at_step:
+            self.stopped_early = True
+            return  # the final checkpoint in finish() covers it
+        if self._done():
+            return
+        if every and s.step % every == 0:
+            self._save({"step": s.step, "loss": s.loss_last})
+
+    def _sync_ledger(self) -> None:
+        """Gather every rank's trained sample ids to rank 0's ledger."""
+        mine = self.state.ledger.take_pending()
+        gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if gathered is not None:
+            self.state.ledger.merge(gathered)
+
+    def _close_epoch(self) -> None:
+        self._sync_ledger()
+        if self.rank == 0:
+            record = self.state.ledger.close_epoch()
+            self.tracker.event(self.state.step, "epoch_end", **record)
+        else:
+            self.state.ledger.close_epoch()
+
+    def _save(self, metrics: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        self._sync_ledger()
+        self._fold_times()
+        ckpt.save(self.engine, self.state, self.rank, metrics)
+        self._last_checkpoint_step = self.state.step
+        self._add_time("checkpoint", t0)
+
+    def _fold_times(self) -> None:
+        """Move this session's phase times into the cumulative trainer state."""
+        for phase, secs in self.times.items():
+            self.state.time_s[phase] = self.state.time_s.get(phase, 0.0) + secs
+        now = time.perf_counter()
+        self.state.train_wall_s += now - self.session_start
+        self.session_start = now
+        self.times.clear()
+
+    # -- validation and the end ---------------------------------------------------------
+    def validate(self, shard: Any) -> dict[str, float]:
+        if shard is None:
+            return {}
+        self.engine.eval()
+        sums = MetricSums(self.task, getattr(self.cfg.model, "output_dim", 1))
+        stream = StepStream(
+            shard, self.plan.micro_batch_size, self._all_reduce_count, empty=self._empty_batch()
+        )
+        with torch.no_grad():
+            for batch in stream:
+                x = torch.from_numpy(batch.x).to(self.device, self.dtype)
+                y = torch.from_numpy(batch.y).to(self.device)
+                out = self.engine(x).float()
+                sums.add(out.cpu(), y.cpu(), per_sample_loss(self.task, out, y).cpu())
+        self.engine.train()
+        totals = sums.sums.to(self._collective_device)
+        dist.all_reduce(totals)
+        sums.sums = totals.cpu()
+        metrics = sums.metrics()
+        self.tracker.log(
+            self.state.step,
+            {f"val/{k}": v for k, v in metrics.items()},
+            console="[elastic] validation: "
+            + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()),
+        )
+        return metrics
+
+    def _empty_batch(self) -> dict[str, np.ndarray]:
+        return {
+            "sample_id": np.zeros(0, np.int64),
+            "x": np.zeros((0, getattr(self.cfg.model, "input_dim", 1)), np.float32),
+            "y": np.zeros((0, getattr(self.cfg.model, "output_dim", 1)), np.float32),
+        }
+
+    def finish(self, val: dict[str, float]) -> None:
+        """Final checkpoint, carrying the run's summary as its metrics."""
+        s = self.state
+        steady_s = self.train_end - (self.steady_start or self.train_end)
+        samples_per_s = self.steady_samples / steady_s if steady_s > 0 else 0.0
+        self._sync_ledger()
+        total = max(s.train_wall_s, 1e-9)
+        shares = {p: s.time_s.get(p, 0.0) / total for p in PHASES}
+        shares["other"] = max(0.0, 1.0 - sum(shares.values()))
+        summary = {
+            "status": "stopped" if self.stopped_early else "finished",
+            "steps": s.step,
+            "epoch": s.epoch,
+            "samples_seen": s.samples_seen,
+            "loss_first": s.loss_first,
+            "loss_last": s.loss_last,
+            "val": val,
+            "world_sizes": s.world_sizes,
+            "samples_per_s": samples_per_s,
+            "time_breakdown": shares,
+            "wandb_dir": self.tracker.wandb_dir,
+            "epochs_closed": s.ledger.closed_epochs,
+        }
+        ckpt.save(self.engine, s, self.rank, {"step": s.step, "summary": summary})

@@ -1,0 +1,99 @@
+"""Models and their typed configs.
+
+A model config is a dataclass registered with Hydra (``schema/model/<name>``), so a typo
+in ``conf/model/*.yaml`` fails while composing. Each config builds its module and knows
+its task, which decides the per-sample loss and the validation metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+TASKS = ("regression", "classification")
+
+
+@dataclass
+class MLPConfig:
+    """A multi-layer perceptron on a flat input vector."""
+
+    name: str = "mlp"
+    input_dim: int = 64
+    hidden_dims: list[int] = field(default_factory=lambda: [256, 256])
+    output_dim: int = 1
+    task: str = "regression"
+
+    def validate(self) -> None:
+        from elastic.config import ConfigError
+
+        if self.task not in TASKS:
+            raise ConfigError(f"model.task={self.task!r} is not valid: use one of {TASKS}")
+        for key in ("input_dim", "output_dim"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.{key}={getattr(self, key)} is not valid: must be >= 1")
+        if any(h < 1 for h in self.hidden_dims):
+            raise ConfigError(f"model.hidden_dims={self.hidden_dims} is not valid: all >= 1")
+        if self.task == "classification" and self.output_dim < 2:
+            raise ConfigError("model.output_dim must be >= 2 (classes) for classification")
+
+    def build(self) -> nn.Module:
+        dims = [self.input_dim, *self.hidden_dims]
+        layers: list[nn.Module] = []
+        for d_in, d_out in zip(dims[:-1], dims[1:], strict=True):
+            layers += [nn.Linear(d_in, d_out), nn.GELU()]
+        layers.append(nn.Linear(dims[-1], self.output_dim))
+        return nn.Sequential(*layers)
+
+
+MODEL_SCHEMAS: dict[str, type] = {"mlp": MLPConfig}
+
+
+def per_sample_loss(task: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Loss of every sample (no reduction): the loop weights them so uneven or partial
+    batches still give the exact mean over the samples of a global step."""
+    if task == "classification":
+        return nn.functional.cross_entropy(output, target.long(), reduction="none")
+    target = target.reshape(output.shape).to(output.dtype)
+    return (output - target).pow(2).mean(dim=tuple(range(1, output.dim())))
+
+
+class MetricSums:
+    """Additive validation statistics; all-reduce the tensor, then read metrics off it."""
+
+    def __init__(self, task: str, output_dim: int) -> None:
+        self.task = task
+        # regression: n, sum loss, sum y, sum y^2, sum squared error (per output dim)
+        # classification: n, sum loss, correct
+        width = 3 if task == "classification" else 2 + 3 * output_dim
+        self.sums = torch.zeros(width, dtype=torch.float64)
+
+    def add(self, output: torch.Tensor, target: torch.Tensor, losses: torch.Tensor) -> None:
+        out = output.detach().double()
+        self.sums[0] += losses.shape[0]
+        self.sums[1] += losses.detach().double().sum()
+        if self.task == "classification":
+            self.sums[2] += (out.argmax(dim=-1) == target.long()).sum()
+            return
+        o = out.flatten(1) if out.dim() > 1 else out[:, None]
+        y = target.double().reshape(o.shape)
+        k = o.shape[1]
+        self.sums[2 : 2 + k] += y.sum(0)
+        self.sums[2 + k : 2 + 2 * k] += (y * y).sum(0)
+        self.sums[2 + 2 * k : 2 + 3 * k] += ((o - y) ** 2).sum(0)
+
+    def metrics(self) -> dict[str, float]:
+        n = float(self.sums[0])
+        if n == 0:
+            return {}
+        result = {"loss": float(self.sums[1]) / n, "samples": n}
+        if self.task == "classification":
+            result["accuracy"] = float(self.sums[2]) / n
+            return result
+        k = (self.sums.shape[0] - 2) // 3
+        sy, syy, sse = self.sums[2 : 2 + k], self.sums[2 + k : 2 + 2 * k], self.sums[2 + 2 * k :]
+        sst = syy - sy * sy / n
+        # R^2 averaged over output dimensions (sklearn's "uniform_average")
+        result["r2"] = float((1 - sse / sst.clamp_min(1e-12)).mean())
+        return result

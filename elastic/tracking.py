@@ -1,0 +1,109 @@
+"""Rank-0 tracking: console lines, a metrics history file and W&B.
+
+Rank 0 gets a :class:`Tracker`; every other rank gets a :class:`NullTracker` with the same
+methods, so the loop never asks ``if rank == 0`` to log.
+"""
+
+from __future__ import annotations
+
+import json
+import netrc
+import os
+import time
+from typing import Any
+
+from elastic.config import LoggerConfig
+
+HISTORY_FILE = "metrics.jsonl"
+
+
+def wandb_key_configured() -> bool:
+    """True when this user has a W&B API key (env or ~/.netrc), so online mode can work."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        hosts = netrc.netrc().hosts
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+    return any("wandb" in host for host in hosts)
+
+
+def wandb_mode(cfg: LoggerConfig) -> str:
+    """``WANDB_MODE`` wins, then logger.mode; ``auto`` is online only with a key."""
+    env = os.environ.get("WANDB_MODE")
+    if env:
+        return env
+    if cfg.mode != "auto":
+        return cfg.mode
+    return "online" if wandb_key_configured() else "offline"
+
+
+class NullTracker:
+    wandb_dir: str | None = None
+    run_id: str | None = None
+
+    def log(self, step: int, metrics: dict[str, Any], console: str | None = None) -> None:
+        """Record metrics of ``step``; print ``console`` as the human-readable line."""
+
+    def event(self, step: int, kind: str, **info: Any) -> None:
+        """Record something that happened to the run (resume, world-size change, ...)."""
+
+    def finish(self) -> None:
+        """Flush and close."""
+
+
+class Tracker(NullTracker):
+    def __init__(
+        self,
+        cfg: LoggerConfig,
+        run_dir: str,
+        run_name: str,
+        experiment: str,
+        config: dict[str, Any],
+        run_id: str | None,
+    ) -> None:
+        os.makedirs(run_dir, exist_ok=True)
+        self._history = open(os.path.join(run_dir, HISTORY_FILE), "a")  # noqa: SIM115
+        self._wandb: Any = None
+        if cfg.kind == "wandb":
+            import wandb
+
+            self._wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", cfg.project),
+                entity=os.environ.get("WANDB_ENTITY", cfg.entity),
+                name=run_name,
+                group=experiment or None,
+                id=run_id,
+                resume="allow",
+                dir=os.environ.get("WANDB_DIR", run_dir),
+                mode=wandb_mode(cfg),
+                config=config,
+                settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+            )
+            self.run_id = self._wandb.id
+            self.wandb_dir = os.path.dirname(self._wandb.dir)
+
+    def log(self, step: int, metrics: dict[str, Any], console: str | None = None) -> None:
+        self._write({"step": step, "time": time.time(), **metrics})
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if console:
+            print(console, flush=True)
+
+    def event(self, step: int, kind: str, **info: Any) -> None:
+        self._write({"step": step, "time": time.time(), "event": kind, **info})
+        detail = " ".join(f"{k}={v}" for k, v in info.items())
+        print(f"[elastic] {kind} at step {step}: {detail}", flush=True)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._history.write(json.dumps(record) + "\n")
+        self._history.flush()
+
+    def finish(self) -> None:
+        self._history.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def make_tracker(rank: int, **kwargs: Any) -> NullTracker:
+    return Tracker(**kwargs) if rank == 0 else NullTracker()

@@ -1,0 +1,50 @@
+"""Train: ``python launch/run.py +experiment=NAME [key=value ...]``.
+
+Hydra composes conf/; the config is checked before anything starts (exit 2 and one line
+on a mistake); then the driver runs Ray Train workers and writes summary.json into
+Hydra's output directory.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from elastic.compose import CONF_DIR, fail, plain, preflight, typed_config
+from elastic.config import ConfigError, register_schemas
+
+register_schemas()
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
+def main(cfg: DictConfig) -> None:
+    from elastic.driver import train, write_summary
+
+    hc = HydraConfig.get()
+    try:
+        typed = typed_config(cfg, hc.runtime.choices.get("experiment") or "", hc.runtime.output_dir)
+    except ConfigError as e:
+        fail(str(e))
+    summary = train(typed, plain(cfg))
+    path = write_summary(summary, typed.run.output_dir)
+    print(
+        f"[elastic] {summary['status']}: {summary.get('steps')} steps, "
+        f"loss {summary.get('loss_first')} -> {summary.get('loss_last')}, val {summary.get('val')}"
+    )
+    print(f"[elastic] summary: {path}")
+
+
+if __name__ == "__main__":
+    preflight(sys.argv[1:])
+    try:
+        main()
+    except KeyboardInterrupt:
+        print(
+            "\n[elastic] interrupted: the last complete checkpoint is kept; re-run with the "
+            "same run.name to resume from it",
+            file=sys.stderr,
+        )
+        sys.exit(130)

@@ -1,0 +1,69 @@
+"""Shared fixtures: one small synthetic dataset and one real local Ray per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(1, os.path.dirname(__file__))  # tests/wandb_records.py; never first
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory):
+    """1,000 training rows (not a multiple of the batch: the last step is partial)."""
+    from elastic.synthetic import generate
+
+    root = tmp_path_factory.mktemp("data")
+    generate(str(root / "train"), str(root / "val"), 1000, 256, 5, 32, 4, seed=0)
+    return root
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A real embedded Ray cluster shared by the end-to-end tests (start-up is seconds)."""
+    import ray
+
+    from elastic.cluster import WORKER_ENV
+
+    ray.init(
+        address="local",
+        num_cpus=4,
+        object_store_memory=512 * 1024 * 1024,
+        include_dashboard=False,
+        runtime_env={"env_vars": dict(WORKER_ENV)},
+    )
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+def small_overrides(data_root, storage, *extra: str) -> list[str]:
+    return [
+        "+experiment=smoke",
+        f"run.storage_path={storage}",
+        f"data.path={data_root}/train",
+        f"data.val_path={data_root}/val",
+        "model.input_dim=32",
+        "model.output_dim=4",
+        "data.global_batch_size=64",
+        "model.hidden_dims=[64,64]",
+        "trainer.log_every_steps=1",
+        *extra,
+    ]
+
+
+def train(overrides: list[str]) -> dict:
+    """Compose, validate and train in-process, as ``launch/run.py`` does."""
+    from elastic.compose import compose, plain, typed_config
+    from elastic.driver import train as driver_train
+
+    cfg, experiment = compose(overrides)
+    typed = typed_config(cfg, experiment)
+    return driver_train(typed, plain(cfg))

@@ -1,0 +1,141 @@
+"""Every experiment composes; every bad input fails before Ray with one line and exit 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from elastic.compose import CONF_DIR, compose, preflight, typed_config
+from elastic.config import TrainConfig
+
+REPO = Path(__file__).resolve().parent.parent
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_validates(experiment, tmp_path):
+    cfg, name = compose([f"+experiment={experiment}", f"run.storage_path={tmp_path}"])
+    typed = typed_config(cfg, name)
+    assert isinstance(typed, TrainConfig)
+    assert typed.run.experiment == experiment
+    assert os.path.isabs(typed.data.path) and os.path.isabs(typed.run.storage_path)
+    # the batch plan holds at every world size the experiment allows
+    from elastic.batch import BatchPlan
+
+    for w in range(typed.scaling.min_workers, typed.scaling.max_workers + 1):
+        plan = BatchPlan.for_world(typed.data.global_batch_size, w, typed.data.micro_batch_size)
+        assert plan.micro_batch_size * plan.grad_accum_steps * w == typed.data.global_batch_size
+
+
+def test_public_keys_reach_the_typed_config(tmp_path):
+    cfg, name = compose(
+        [
+            "+experiment=smoke",
+            "strategy.zero_stage=3",
+            "strategy.precision=bf16",
+            "scaling.min_workers=1",
+            "scaling.max_workers=3",
+            "data.global_batch_size=96",
+            "trainer.max_steps=7",
+            "trainer.max_epochs=2",
+            "optim.lr=0.01",
+            "checkpoint.every_steps=3",
+            "checkpoint.keep=4",
+            "run.name=abc",
+            f"run.storage_path={tmp_path}",
+            "logger=none",
+            "cluster.address=10.0.0.1:6379",
+        ]
+    )
+    t = typed_config(cfg, name)
+    assert (t.strategy.zero_stage, t.strategy.precision) == (3, "bf16")
+    assert (t.scaling.min_workers, t.scaling.max_workers) == (1, 3)
+    assert (t.data.global_batch_size, t.trainer.max_steps, t.trainer.max_epochs) == (96, 7, 2)
+    assert (t.optim.lr, t.checkpoint.every_steps, t.checkpoint.keep) == (0.01, 3, 4)
+    assert (t.run.name, t.logger.kind, t.cluster.address) == ("abc", "none", "10.0.0.1:6379")
+
+
+def _shards(tmp_path: Path, table: pa.Table, name: str = "part-0.parquet") -> Path:
+    d = tmp_path / "shards"
+    d.mkdir(exist_ok=True)
+    pq.write_table(table, d / name)
+    return d
+
+
+def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    x = pa.FixedSizeListArray.from_arrays(pa.array([0.0] * 128, pa.float32()), 128)
+    no_target = _shards(tmp_path, pa.table({"sample_id": [0], "x": x}))
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "part-0.parquet").write_bytes(b"PAR1 this is not parquet")
+    real = ["data.synthetic=null"]
+    return [
+        (["strategy.zero_stgae=2"], "strategy.zero_stgae"),
+        (["strategy.zero_stage=abc"], "strategy.zero_stage"),
+        (["strategy.zero_stage=4"], "strategy.zero_stage=4"),
+        (["scaling.min_workers=3", "scaling.max_workers=2"], "scaling.min_workers=3"),
+        (["scaling.min_workers=0"], "scaling.min_workers=0"),
+        (["data.global_batch_size=127"], "data.global_batch_size=127"),
+        (["data.micro_batch_size=48"], "data.global_batch_size=128"),
+        ([*real, "data.path=/nonexistent/shards"], "data.path=/nonexistent/shards"),
+        ([*real, f"data.path={empty}"], "no .parquet files"),
+        ([*real, f"data.path={no_target}", "data.val_path=null"], "no column 'y'"),
+        ([*real, f"data.path={corrupt}", "data.val_path=null"], "not a readable Parquet"),
+        (["strategy.precision=fp8"], "strategy.precision"),
+    ]
+
+
+def test_each_bad_input_fails_with_one_line_naming_key(tmp_path, capsys):
+    for extra, needle in _bad_inputs(tmp_path):
+        with pytest.raises(SystemExit) as exc:
+            preflight(["+experiment=smoke", f"run.storage_path={tmp_path}/runs", *extra])
+        err = capsys.readouterr().err.strip()
+        assert exc.value.code == 2, extra
+        assert err.count("\n") == 0 and err.startswith("error: "), (extra, err)
+        assert needle in err, (extra, err)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unknown_experiment_lists_the_available_ones(capsys):
+    with pytest.raises(SystemExit) as exc:
+        preflight(["+experiment=smokey"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and "\n" not in err
+    assert "smokey" in err and "smoke" in err.split("use one of:")[1]
+
+
+def test_multirun_sweeps_are_each_checked(capsys):
+    with pytest.raises(SystemExit):
+        preflight(["-m", "+experiment=smoke", "strategy.zero_stage=1,5"])
+    assert "strategy.zero_stage=5" in capsys.readouterr().err
+
+
+def test_cli_exits_2_before_ray_starts(tmp_path):
+    """The real entry point: exit code 2, one stderr line, no output dir, no Ray."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch/run.py"),
+            "+experiment=smoke",
+            "strategy.zero_stage=7",
+            f"run.storage_path={tmp_path}/runs",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: strategy.zero_stage=7 is not valid: use 0, 1, 2 or 3 (DeepSpeed ZeRO)"
+    ]
+    assert "Ray" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "runs").exists()
