@@ -78,7 +78,7 @@ def _expand_sweeps(overrides: list[str]) -> list[list[str]]:
             key = o.get_key_element()
             choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
         else:
-            choices.append([o.input_line])
+            choices.append([str(o.input_line)])
     return [list(c) for c in itertools.product(*choices)]
 
 

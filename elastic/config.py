@@ -49,6 +49,10 @@ class DataConfig:
     input_column: str = "x"
     target_column: str = "y"
     seed: int = 0
+    block_size_mb: float = 1.0
+    """Largest Ray Data block. Blocks are the unit the workers' splits are dealt in, so
+    small blocks keep the workers' shares even (Ray reads small shards as one block);
+    small datasets get smaller blocks still, at least 8 per worker."""
     synthetic: SyntheticDataConfig | None = None
     """Set for generated data: the dataset is written to ``path`` when it is missing."""
 
@@ -208,6 +212,7 @@ def validate(cfg: TrainConfig) -> None:
         )
     _positive("scaling.cpus_per_worker", sc.cpus_per_worker)
     _positive("data.global_batch_size", d.global_batch_size)
+    _positive("data.block_size_mb", d.block_size_mb)
     if d.micro_batch_size is not None:
         _positive("data.micro_batch_size", d.micro_batch_size)
     bad = [w for w in range(sc.min_workers, sc.max_workers + 1) if w not in valid_world_sizes(cfg)]

@@ -93,17 +93,27 @@ def decode_batch(batch: pa.Table, input_column: str, target_column: str) -> dict
     }
 
 
-def build_datasets(cfg: DataConfig) -> dict[str, Any]:
+def block_bytes(files: list[str], block_size_mb: float, max_workers: int) -> int:
+    """Block size cap: ``block_size_mb``, or less so there are >= 8 blocks per worker."""
+    total = 0
+    for f in files:
+        meta = pq.read_metadata(f)
+        total += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    return max(16 * 1024, min(int(block_size_mb * 1024 * 1024), total // (8 * max_workers)))
+
+
+def build_datasets(cfg: DataConfig, max_workers: int) -> dict[str, Any]:
     """Lazy Ray datasets: ``train`` and, when configured, ``val``."""
     import ray.data
 
     def load(path: str) -> ray.data.Dataset:
-        ds = ray.data.read_parquet(
-            list_shards(path),
-            columns=[ID_COLUMN, cfg.input_column, cfg.target_column],
+        files = list_shards(path)
+        ds = ray.data.read_parquet(files).select_columns(
+            [ID_COLUMN, cfg.input_column, cfg.target_column]
         )
+        ds.context.target_max_block_size = block_bytes(files, cfg.block_size_mb, max_workers)
         return ds.map_batches(
-            decode_batch,
+            decode_batch,  # type: ignore[arg-type]
             batch_format="pyarrow",
             zero_copy_batch=True,
             fn_kwargs={"input_column": cfg.input_column, "target_column": cfg.target_column},

@@ -62,7 +62,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
             train_loop,
             train_loop_config={"cfg": cfg, "config_dict": config_dict, "run_dir": out},
             scaling_config=ScalingConfig(
-                num_workers=workers,
+                num_workers=workers,  # type: ignore[arg-type]  # (min, max) is elastic
                 use_gpu=sc.use_gpu,
                 resources_per_worker={"CPU": sc.cpus_per_worker},
             ),
@@ -72,7 +72,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
                 failure_config=FailureConfig(max_failures=0),
             ),
-            datasets=build_datasets(cfg.data),
+            datasets=build_datasets(cfg.data, sc.max_workers),
             dataset_config=data_config(),
             torch_config=TorchConfig(backend="nccl" if sc.use_gpu else "gloo"),
         )

@@ -36,7 +36,8 @@ def _optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=o.lr, momentum=0.9, weight_decay=o.weight_decay)
     cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
-    return cls(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    betas = (float(o.betas[0]), float(o.betas[1]))
+    return cls(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
 
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:

@@ -212,9 +212,8 @@ class _Trainer:
         self.state.ledger.record(batch.sample_id)
         self.state.step += 1
         self.state.samples_seen += batch.global_rows
-        self._interval += torch.stack(
-            [loss_sum, torch.tensor(float(batch.rows), dtype=torch.float64)]
-        )
+        self._interval[0] += loss_sum
+        self._interval[1] += batch.rows
         self._maybe_log()
         self._maybe_checkpoint()
 

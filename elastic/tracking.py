@@ -76,7 +76,7 @@ class Tracker(NullTracker):
                 id=run_id,
                 resume="allow",
                 dir=os.environ.get("WANDB_DIR", run_dir),
-                mode=wandb_mode(cfg),
+                mode=wandb_mode(cfg),  # type: ignore[arg-type]
                 config=config,
                 settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
             )
