@@ -119,9 +119,14 @@ def check_data(cfg: TrainConfig) -> None:
     width = input_width(cfg.data)
     expected = getattr(cfg.model, "input_dim", None)
     if width is not None and expected is not None and width != expected:
+        fix = (
+            f"delete {cfg.data.path} (and data.val_path) to regenerate it for this model"
+            if cfg.data.synthetic is not None
+            else f"set model.input_dim={width}"
+        )
         raise ConfigError(
             f"model.input_dim={expected} but column {cfg.data.input_column!r} in "
-            f"{cfg.data.path} has width {width}: set model.input_dim={width}"
+            f"{cfg.data.path} has width {width}: {fix}"
         )
 
 

@@ -35,13 +35,21 @@ def _events(run_dir: str) -> list[dict]:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stage_trains_checkpoints_and_resumes_exactly(stage, small_data, tmp_path):
-    common = [f"strategy.zero_stage={stage}", "trainer.max_steps=12", "logger=none",
-              "checkpoint.every_steps=3", "optim.lr=0.005"]
+    common = [
+        f"strategy.zero_stage={stage}",
+        "trainer.max_steps=12",
+        "logger=none",
+        "checkpoint.every_steps=3",
+        "optim.lr=0.005",
+    ]
     full = train(small_overrides(small_data, tmp_path, *common, "run.name=full"))
     assert full["status"] == "finished" and full["steps"] == 12
     assert full["world_sizes"] == [2]
     losses = _losses(os.path.join(tmp_path, "full"))
-    first, last = np.mean([losses[s] for s in (1, 2, 3)]), np.mean([losses[s] for s in (10, 11, 12)])
+    first, last = (
+        np.mean([losses[s] for s in (1, 2, 3)]),
+        np.mean([losses[s] for s in (10, 11, 12)]),
+    )
     assert last < 0.8 * first, losses
     assert full["val"]["r2"] > 0.2
 
@@ -76,8 +84,13 @@ def _dataset_ids(path) -> np.ndarray:
 def test_epoch_trains_every_sample_exactly_once_across_a_resume(small_data, tmp_path):
     """1,000 rows, global batch 64, split unevenly over 2 workers (the last steps are
     partial); interrupted mid-epoch and resumed."""
-    common = ["trainer.max_steps=0", "trainer.max_epochs=1", "logger=none",
-              "checkpoint.every_steps=3", "run.name=epoch"]
+    common = [
+        "trainer.max_steps=0",
+        "trainer.max_epochs=1",
+        "logger=none",
+        "checkpoint.every_steps=3",
+        "run.name=epoch",
+    ]
     first = train(small_overrides(small_data, tmp_path, *common, "trainer.stop_at_step=7"))
     assert first["status"] == "stopped"
     done = train(small_overrides(small_data, tmp_path, *common))
@@ -94,15 +107,23 @@ def test_wandb_offline_run_holds_the_logged_metrics(small_data, tmp_path):
     from wandb_records import history
 
     summary = train(
-        small_overrides(small_data, tmp_path, "trainer.max_steps=6", "logger=wandb",
-                        "run.name=tracked")
+        small_overrides(
+            small_data, tmp_path, "trainer.max_steps=6", "logger=wandb", "run.name=tracked"
+        )
     )
     run_dir = summary["wandb_dir"]
     assert run_dir and os.path.basename(run_dir).startswith("offline-run-")
     rows = history(run_dir)
     keys = set().union(*rows)
-    for key in ("train/loss", "train/lr", "train/samples_per_s", "train/data_wait_share",
-                "train/world_size", "val/loss", "val/r2"):
+    for key in (
+        "train/loss",
+        "train/lr",
+        "train/samples_per_s",
+        "train/data_wait_share",
+        "train/world_size",
+        "val/loss",
+        "val/r2",
+    ):
         assert key in keys, key
     steps = [r["_step"] for r in rows if "train/loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6]

@@ -45,7 +45,9 @@ def main() -> None:
 
     torch.manual_seed(0)
     hidden = [int(h) for h in a.hidden_dims.split(",")]
-    model = DDP(MLPConfig(input_dim=a.input_dim, hidden_dims=hidden, output_dim=a.output_dim).build())
+    model = DDP(
+        MLPConfig(input_dim=a.input_dim, hidden_dims=hidden, output_dim=a.output_dim).build()
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     batches = len(x) // per_rank
     start = 0.0
@@ -62,8 +64,17 @@ def main() -> None:
     dist.barrier()
     step_s = (time.perf_counter() - start) / (a.steps - a.warmup)
     if rank == 0:
-        print(json.dumps({"step_s": step_s, "world_size": world, "threads": torch.get_num_threads(),
-                          "omp": os.environ.get("OMP_NUM_THREADS")}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "step_s": step_s,
+                    "world_size": world,
+                    "threads": torch.get_num_threads(),
+                    "omp": os.environ.get("OMP_NUM_THREADS"),
+                }
+            ),
+            flush=True,
+        )
     dist.destroy_process_group()
 
 
