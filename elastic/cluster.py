@@ -6,6 +6,8 @@ Never ``address="auto"``: on a shared node it can attach to somebody else's clus
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -48,14 +50,23 @@ def connect(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[str]:
         ray.init(address=cluster.address, runtime_env=runtime_env, log_to_driver=True)
         where = f"Ray cluster at {cluster.address}"
     else:
-        ray.init(
-            address="local",
-            num_cpus=local_cpus(cluster, scaling),
-            object_store_memory=cluster.object_store_memory_mb * 1024 * 1024,
-            include_dashboard=False,
-            runtime_env=runtime_env,
-            log_to_driver=True,
-        )
+        # Ctrl-C in a terminal signals the whole foreground process group, and the
+        # embedded cluster's processes are our children in it: they would die before
+        # Ray Train could stop the run gracefully. They inherit an ignored SIGINT.
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+        try:
+            ray.init(
+                address="local",
+                num_cpus=local_cpus(cluster, scaling),
+                object_store_memory=cluster.object_store_memory_mb * 1024 * 1024,
+                include_dashboard=False,
+                runtime_env=runtime_env,
+                log_to_driver=True,
+            )
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGINT, previous)
         where = "embedded local Ray cluster"
     try:
         yield where

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -33,6 +34,39 @@ def prepare_data(cfg: TrainConfig) -> dict[str, int]:
     return check_dataset(cfg.data)
 
 
+def _interruptible(trainer_cls: type) -> type:
+    """TorchTrainer whose fit() stops on Ctrl-C with a KeyboardInterrupt.
+
+    Ray Train's own SIGINT handler blocks on the controller's abort inside the signal
+    handler and the process then exits 1 without a word. Ours asks the controller to
+    abort without waiting and raises KeyboardInterrupt: Ray is shut down on the way out
+    (only registered, complete checkpoints exist) and the entry point says so, exit 130."""
+
+    class Trainer(trainer_cls):
+        interrupted = False
+
+        def _register_sigint_handler(self, controller: Any) -> None:
+            def handler(signum: int, frame: Any) -> None:
+                Trainer.interrupted = True
+                controller.abort.remote()
+                raise KeyboardInterrupt
+
+            signal.signal(signal.SIGINT, handler)
+
+        def fit(self) -> Any:
+            try:
+                result = super().fit()
+            except Exception:
+                if Trainer.interrupted:
+                    raise KeyboardInterrupt from None
+                raise
+            if Trainer.interrupted:
+                raise KeyboardInterrupt
+            return result
+
+    return Trainer
+
+
 def run_dir(cfg: TrainConfig) -> str:
     return os.path.join(cfg.run.storage_path, cfg.run.name)
 
@@ -58,7 +92,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     with cluster.connect(cfg.cluster, sc) as where:
         print(f"[elastic] connected to {where}", flush=True)
         ray.data.DataContext.get_current().enable_progress_bars = False
-        trainer = TorchTrainer(
+        trainer = _interruptible(TorchTrainer)(
             train_loop,
             train_loop_config={"cfg": cfg, "config_dict": config_dict, "run_dir": out},
             scaling_config=ScalingConfig(

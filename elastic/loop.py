@@ -110,6 +110,7 @@ class _Trainer:
         self.device = engine.device
         self.dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
         self.times: dict[str, float] = defaultdict(float)
+        self._data_wait_total = 0.0  # never folded away, for per-interval shares
         self.session_start = self.train_start = self.train_end = time.perf_counter()
         self.steady_start: float | None = None
         self.steady_samples = 0
@@ -218,7 +219,10 @@ class _Trainer:
         self._maybe_checkpoint()
 
     def _add_time(self, phase: str, since: float) -> None:
-        self.times[phase] += time.perf_counter() - since
+        elapsed = time.perf_counter() - since
+        self.times[phase] += elapsed
+        if phase == "data_wait":
+            self._data_wait_total += elapsed
 
     def _maybe_log(self) -> None:
         s, t = self.state, self.cfg.trainer
@@ -231,7 +235,7 @@ class _Trainer:
         now = time.perf_counter()
         elapsed = now - self._interval_start
         samples_per_s = float(totals[1]) / elapsed if elapsed > 0 else 0.0
-        data_wait = self.times["data_wait"] - self._interval_data_wait
+        data_wait = self._data_wait_total - self._interval_data_wait
         if s.loss_first is None:
             s.loss_first = loss
         s.loss_last = loss
@@ -256,7 +260,7 @@ class _Trainer:
         )
         self._interval.zero_()
         self._interval_start = now
-        self._interval_data_wait = self.times["data_wait"]
+        self._interval_data_wait = self._data_wait_total
 
     def _of_max(self) -> str:
         return f"/{self.cfg.trainer.max_steps}" if self.cfg.trainer.max_steps else ""
