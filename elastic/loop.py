@@ -115,7 +115,6 @@ class _Trainer:
         self.steady_start: float | None = None
         self.steady_samples = 0
         self.stopped_early = False
-        self._last_checkpoint_step = state.step if state.step else -1
         # loss over the current log interval: [sum of per-sample losses, rows]
         self._interval = torch.zeros(2, dtype=torch.float64)
         self._interval_start = time.perf_counter()
@@ -296,7 +295,6 @@ class _Trainer:
         self._sync_ledger()
         self._fold_times()
         ckpt.save(self.engine, self.state, self.rank, metrics)
-        self._last_checkpoint_step = self.state.step
         self._add_time("checkpoint", t0)
 
     def _fold_times(self) -> None:
