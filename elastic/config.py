@@ -53,6 +53,8 @@ class DataConfig:
     """Largest Ray Data block. Blocks are the unit the workers' splits are dealt in, so
     small blocks keep the workers' shares even (Ray reads small shards as one block);
     small datasets get smaller blocks still, at least 8 per worker."""
+    prefetch_mb: float = 128.0
+    """Per-worker read-ahead buffer; it also hides the start of the next epoch."""
     synthetic: SyntheticDataConfig | None = None
     """Set for generated data: the dataset is written to ``path`` when it is missing."""
 
@@ -213,6 +215,7 @@ def validate(cfg: TrainConfig) -> None:
     _positive("scaling.cpus_per_worker", sc.cpus_per_worker)
     _positive("data.global_batch_size", d.global_batch_size)
     _positive("data.block_size_mb", d.block_size_mb)
+    _positive("data.prefetch_mb", d.prefetch_mb)
     if d.micro_batch_size is not None:
         _positive("data.micro_batch_size", d.micro_batch_size)
     bad = [w for w in range(sc.min_workers, sc.max_workers + 1) if w not in valid_world_sizes(cfg)]

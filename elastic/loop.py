@@ -20,7 +20,7 @@ import torch.distributed as dist
 from elastic import checkpoint as ckpt
 from elastic.batch import BatchPlan
 from elastic.config import TrainConfig
-from elastic.data import StepBatch, StepStream
+from elastic.data import EpochPrefetcher, StepBatch, StepStream, shard_blocks
 from elastic.engine import build_engine, init_distributed
 from elastic.models import MetricSums, per_sample_loss
 from elastic.tracking import NullTracker, make_tracker
@@ -133,8 +133,14 @@ class _Trainer:
     def train(self, shard: Any) -> None:
         self.engine.train()
         self.session_start = self.train_start = time.perf_counter()
+        max_epochs = self.cfg.trainer.max_epochs
+        prefetcher = EpochPrefetcher(
+            shard,
+            int(self.cfg.data.prefetch_mb * 1024 * 1024),
+            epochs=max_epochs - self.state.epoch if max_epochs else None,
+        )
         while not self._done():
-            stream = self._epoch_stream(shard)
+            stream = self._epoch_stream(prefetcher)
             epoch_finished = True
             batches = iter(stream)
             while True:
@@ -155,10 +161,11 @@ class _Trainer:
                     break
             if epoch_finished:
                 self._close_epoch()
+        prefetcher.close()
         self.train_end = time.perf_counter()
         self._fold_times()
 
-    def _epoch_stream(self, shard: Any) -> StepStream:
+    def _epoch_stream(self, prefetcher: EpochPrefetcher) -> StepStream:
         ledger = self.state.ledger
         skip_rows = 0
         if ledger.rows_by_rank and ledger.world_size == self.world:
@@ -167,7 +174,7 @@ class _Trainer:
             skip_rows = ledger.rows_by_rank[self.rank]
         skip_ids = ledger.bitmap if ledger.trained and not skip_rows else None
         return StepStream(
-            shard,
+            prefetcher.epoch(),
             self.plan.per_worker,
             self._all_reduce_count,
             skip_rows,
@@ -313,7 +320,10 @@ class _Trainer:
         self.engine.eval()
         sums = MetricSums(self.task, getattr(self.cfg.model, "output_dim", 1))
         stream = StepStream(
-            shard, self.plan.micro_batch_size, self._all_reduce_count, empty=self._empty_batch()
+            shard_blocks(shard),
+            self.plan.micro_batch_size,
+            self._all_reduce_count,
+            empty=self._empty_batch(),
         )
         with torch.no_grad():
             for batch in stream:
