@@ -48,7 +48,6 @@ class DataConfig:
     multiple of it, the rest is gradient accumulation. null = the whole share at once."""
     input_column: str = "x"
     target_column: str = "y"
-    seed: int = 0
     block_size_mb: float = 1.0
     """Largest Ray Data block. Blocks are the unit the workers' splits are dealt in, so
     small blocks keep the workers' shares even (Ray reads small shards as one block);

@@ -179,7 +179,8 @@ class EpochPrefetcher:
     the start takes seconds (listing and opening shards, starting tasks). A background
     thread reads this worker's share into a queue bounded by ``max_bytes`` and asks for
     the next epoch as soon as the current one is read, so that start overlaps with
-    training on the buffered tail of the current epoch instead of stalling it.
+    training on the buffered tail of the current epoch instead of stalling it. It reads
+    at most one epoch ahead of training: further read-ahead only takes CPU from training.
     """
 
     def __init__(self, shard: Any, max_bytes: int, epochs: int | None = None) -> None:
@@ -190,6 +191,7 @@ class EpochPrefetcher:
         self._bytes = 0
         self._cond = threading.Condition()
         self._stop = False
+        self._consuming = -1  # the epoch training is in (index of the epoch() call)
         self._thread = threading.Thread(target=self._run, name="elastic-prefetch", daemon=True)
         self._thread.start()
 
@@ -197,6 +199,9 @@ class EpochPrefetcher:
         try:
             read = 0
             while not self._stop and (self._epochs is None or read < self._epochs):
+                with self._cond:
+                    while read > self._consuming + 1 and not self._stop:
+                        self._cond.wait(timeout=1.0)
                 read += 1
                 for block in shard_blocks(self._shard):
                     size = sum(v.nbytes for v in block.values())
@@ -214,6 +219,9 @@ class EpochPrefetcher:
 
     def epoch(self) -> Iterator[dict[str, np.ndarray]]:
         """This worker's blocks of the next epoch, in order."""
+        with self._cond:
+            self._consuming += 1
+            self._cond.notify_all()
         while True:
             item = self._queue.get()
             if item is _EPOCH_END:
@@ -223,13 +231,13 @@ class EpochPrefetcher:
             block, size = item
             with self._cond:
                 self._bytes -= size
-                self._cond.notify()
+                self._cond.notify_all()
             yield block
 
     def close(self) -> None:
         with self._cond:
             self._stop = True
-            self._cond.notify()
+            self._cond.notify_all()
 
 
 @dataclass

@@ -62,8 +62,9 @@ def train_loop(config: dict[str, Any]) -> None:
     _note_start(state, tracker, plan, resumed=resume_from is not None)
 
     trainer = _Trainer(cfg, engine, plan, state, tracker, rank, world)
-    trainer.train(ray.train.get_dataset_shard("train"))
-    val = trainer.validate(ray.train.get_dataset_shard("val") if cfg.data.val_path else None)
+    val_shard = ray.train.get_dataset_shard("val") if cfg.data.val_path else None
+    trainer.train(ray.train.get_dataset_shard("train"), val_shard)
+    val = trainer.validate(val_shard)
     trainer.finish(val)
     tracker.finish()
     dist.barrier()
@@ -130,7 +131,7 @@ class _Trainer:
         )
 
     # -- training ---------------------------------------------------------------------
-    def train(self, shard: Any) -> None:
+    def train(self, shard: Any, val_shard: Any = None) -> None:
         self.engine.train()
         self.session_start = self.train_start = time.perf_counter()
         max_epochs = self.cfg.trainer.max_epochs
@@ -150,6 +151,7 @@ class _Trainer:
                 if batch is None:
                     break
                 self._train_step(batch)
+                self._maybe_validate(val_shard)
                 if self.steady_start is None:
                     # throughput counts from the end of the first step: the pipeline's
                     # start-up (first batch) is in data_wait, not in samples/s
@@ -280,6 +282,11 @@ class _Trainer:
             return
         if every and s.step % every == 0:
             self._save({"step": s.step, "loss": s.loss_last})
+
+    def _maybe_validate(self, val_shard: Any) -> None:
+        every = self.cfg.trainer.val_every_steps
+        if every and val_shard is not None and self.state.step % every == 0 and not self._done():
+            self.validate(val_shard)  # the final validation after training covers the end
 
     def _sync_ledger(self) -> None:
         """Gather every rank's trained sample ids to rank 0's ledger."""

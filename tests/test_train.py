@@ -108,7 +108,12 @@ def test_wandb_offline_run_holds_the_logged_metrics(small_data, tmp_path):
 
     summary = train(
         small_overrides(
-            small_data, tmp_path, "trainer.max_steps=6", "logger=wandb", "run.name=tracked"
+            small_data,
+            tmp_path,
+            "trainer.max_steps=6",
+            "logger=wandb",
+            "run.name=tracked",
+            "trainer.val_every_steps=4",
         )
     )
     run_dir = summary["wandb_dir"]
@@ -127,5 +132,7 @@ def test_wandb_offline_run_holds_the_logged_metrics(small_data, tmp_path):
         assert key in keys, key
     steps = [r["_step"] for r in rows if "train/loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6]
+    # validation mid-run (every 4 steps) and at the end
+    assert [r["_step"] for r in rows if "val/loss" in r] == [4, 6]
     logged = {r["_step"]: r["train/loss"] for r in rows if "train/loss" in r}
     assert logged == _losses(os.path.join(tmp_path, "tracked"))
