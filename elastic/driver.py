@@ -72,7 +72,7 @@ def run_dir(cfg: TrainConfig) -> str:
 
 
 def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
-    """Run training to the end and return the summary (also written to summary.json)."""
+    """Run training to the end and return the summary (the entry point writes it out)."""
     import ray.data
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
