@@ -15,6 +15,15 @@ from typing import Any
 import numpy as np
 
 
+def bitmap_contains(bitmap: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Which ``ids`` have their bit set in a packed (big-endian bit order) bitmap."""
+    byte = ids >> 3
+    inside = byte < bitmap.shape[0]
+    out = np.zeros(ids.shape, dtype=bool)
+    out[inside] = (bitmap[byte[inside]] >> (7 - (ids[inside] & 7))) & 1 == 1
+    return out
+
+
 class SampleLedger:
     def __init__(self) -> None:
         self.epoch = 0
@@ -65,11 +74,7 @@ class SampleLedger:
         self.trained += len(fresh)
 
     def contains(self, ids: np.ndarray) -> np.ndarray:
-        byte = ids >> 3
-        inside = byte < self.bitmap.shape[0]
-        out = np.zeros(ids.shape, dtype=bool)
-        out[inside] = (self.bitmap[byte[inside]] >> (7 - (ids[inside] & 7))) & 1 == 1
-        return out
+        return bitmap_contains(self.bitmap, ids)
 
     def close_epoch(self) -> dict[str, int]:
         """The epoch is over: keep its record (and bitmap, for audit) and start the next."""

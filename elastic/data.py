@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from elastic.accounting import bitmap_contains
 from elastic.config import ConfigError, DataConfig
 
 ID_COLUMN = "sample_id"
@@ -293,11 +294,7 @@ class StepStream:
             self._skip_rows -= drop
             batch = {k: v[drop:] for k, v in batch.items()}
         if self._skip_ids is not None and len(batch[ID_COLUMN]):
-            ids = batch[ID_COLUMN]
-            byte = ids >> 3
-            inside = byte < self._skip_ids.shape[0]
-            seen = np.zeros(ids.shape, dtype=bool)
-            seen[inside] = (self._skip_ids[byte[inside]] >> (7 - (ids[inside] & 7))) & 1 == 1
+            seen = bitmap_contains(self._skip_ids, batch[ID_COLUMN])
             if seen.any():
                 batch = {k: v[~seen] for k, v in batch.items()}
         return batch
