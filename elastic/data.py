@@ -45,19 +45,29 @@ def list_shards(path: str, key: str = "data.path") -> list[str]:
     return files
 
 
-def check_dataset(cfg: DataConfig) -> dict[str, int]:
-    """Every shard opens and has the columns the run needs; returns rows per split.
+@dataclass(frozen=True)
+class Split:
+    """A checked split: its shard files, rows, and uncompressed bytes (from the footers)."""
+
+    files: list[str]
+    rows: int
+    bytes: int
+
+
+def check_dataset(cfg: DataConfig) -> dict[str, Split]:
+    """Every shard opens and has the columns the run needs; returns the splits.
 
     Reads only Parquet footers, so it is cheap even for thousands of shards.
     """
     required = (ID_COLUMN, cfg.input_column, cfg.target_column)
-    rows = {}
+    checked = {}
     splits = [("train", "data.path", cfg.path)]
     if cfg.val_path:
         splits.append(("val", "data.val_path", cfg.val_path))
     for split, key, path in splits:
-        total = 0
-        for f in list_shards(path, key):
+        rows = size = 0
+        files = list_shards(path, key)
+        for f in files:
             try:
                 meta = pq.read_metadata(f)
             except (pa.ArrowInvalid, OSError) as e:
@@ -72,46 +82,42 @@ def check_dataset(cfg: DataConfig) -> dict[str, int]:
                         f"{f} has no column {col!r} (columns: {', '.join(names)}): "
                         f"regenerate the shard or set data.input_column/data.target_column"
                     )
-            total += meta.num_rows
-        rows[split] = total
-    return rows
+            rows += meta.num_rows
+            size += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        checked[split] = Split(files, rows, size)
+    return checked
 
 
-def _column_to_numpy(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+def column_to_numpy(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     """Arrow column -> numpy without per-row Python objects (fixed-size lists reshape)."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     if pa.types.is_fixed_size_list(column.type):
         width = column.type.list_size
         flat = column.flatten()
-        return _column_to_numpy(flat).reshape(len(column), width)
+        return column_to_numpy(flat).reshape(len(column), width)
     return column.to_numpy(zero_copy_only=False)
 
 
 def decode_batch(batch: pa.Table, input_column: str, target_column: str) -> dict[str, np.ndarray]:
     """One Arrow batch of shard rows -> the arrays the model consumes."""
     return {
-        ID_COLUMN: _column_to_numpy(batch[ID_COLUMN]).astype(np.int64, copy=False),
-        "x": _column_to_numpy(batch[input_column]),
-        "y": _column_to_numpy(batch[target_column]),
+        ID_COLUMN: column_to_numpy(batch[ID_COLUMN]).astype(np.int64, copy=False),
+        "x": column_to_numpy(batch[input_column]),
+        "y": column_to_numpy(batch[target_column]),
     }
 
 
-def block_bytes(files: list[str], block_size_mb: float, max_workers: int) -> int:
+def block_bytes(split_bytes: int, block_size_mb: float, max_workers: int) -> int:
     """Block size cap: ``block_size_mb``, or less so there are >= 8 blocks per worker."""
-    total = 0
-    for f in files:
-        meta = pq.read_metadata(f)
-        total += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
-    return max(16 * 1024, min(int(block_size_mb * 1024 * 1024), total // (8 * max_workers)))
+    return max(16 * 1024, min(int(block_size_mb * 1024 * 1024), split_bytes // (8 * max_workers)))
 
 
-def build_datasets(cfg: DataConfig, max_workers: int) -> dict[str, Any]:
-    """Lazy Ray datasets: ``train`` and, when configured, ``val``."""
+def build_datasets(cfg: DataConfig, splits: dict[str, Split], max_workers: int) -> dict[str, Any]:
+    """Lazy Ray datasets for the splits :func:`check_dataset` returned (train, maybe val)."""
     import ray.data
 
-    def load(path: str) -> ray.data.Dataset:
-        files = list_shards(path)
+    def load(split: Split) -> ray.data.Dataset:
         # Ray 2.60's new Parquet reader spends 2-3 s in a ListFiles task at the start of
         # every epoch, even for files listed explicitly; the previous reader starts in
         # ~0.15 s (measured here). We already list and check the shards ourselves.
@@ -119,11 +125,11 @@ def build_datasets(cfg: DataConfig, max_workers: int) -> dict[str, Any]:
         use_v2, ctx.use_datasource_v2 = ctx.use_datasource_v2, False
         try:
             ds = ray.data.read_parquet(
-                files, columns=[ID_COLUMN, cfg.input_column, cfg.target_column]
+                split.files, columns=[ID_COLUMN, cfg.input_column, cfg.target_column]
             )
         finally:
             ctx.use_datasource_v2 = use_v2
-        ds.context.target_max_block_size = block_bytes(files, cfg.block_size_mb, max_workers)
+        ds.context.target_max_block_size = block_bytes(split.bytes, cfg.block_size_mb, max_workers)
         return ds.map_batches(
             decode_batch,  # type: ignore[arg-type]
             batch_format="pyarrow",
@@ -131,10 +137,7 @@ def build_datasets(cfg: DataConfig, max_workers: int) -> dict[str, Any]:
             fn_kwargs={"input_column": cfg.input_column, "target_column": cfg.target_column},
         )
 
-    datasets = {"train": load(cfg.path)}
-    if cfg.val_path:
-        datasets["val"] = load(cfg.val_path)
-    return datasets
+    return {name: load(split) for name, split in splits.items()}
 
 
 def data_config() -> Any:

@@ -9,10 +9,10 @@ import time
 from typing import Any
 
 from elastic.config import TrainConfig
-from elastic.data import build_datasets, check_dataset, data_config
+from elastic.data import Split, build_datasets, check_dataset, data_config
 
 
-def prepare_data(cfg: TrainConfig) -> dict[str, int]:
+def prepare_data(cfg: TrainConfig) -> dict[str, Split]:
     """Generate synthetic data that is configured but missing, then check every shard."""
     syn = cfg.data.synthetic
     if syn is not None and not (
@@ -80,10 +80,11 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     from elastic import cluster
     from elastic.loop import train_loop
 
-    rows = prepare_data(cfg)
+    splits = prepare_data(cfg)
     out = run_dir(cfg)
     print(f"[elastic] run {cfg.run.name}: checkpoints and metrics in {out}", flush=True)
-    print(f"[elastic] dataset: {rows.get('train', 0)} train rows, {rows.get('val', 0)} val rows")
+    rows = ", ".join(f"{s.rows} {name} rows" for name, s in splits.items())
+    print(f"[elastic] dataset: {rows}")
     sc = cfg.scaling
     workers: int | tuple[int, int] = (
         sc.min_workers if sc.min_workers == sc.max_workers else (sc.min_workers, sc.max_workers)
@@ -106,7 +107,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
                 failure_config=FailureConfig(max_failures=0),
             ),
-            datasets=build_datasets(cfg.data, sc.max_workers),
+            datasets=build_datasets(cfg.data, splits, sc.max_workers),
             dataset_config=data_config(),
             torch_config=TorchConfig(backend="nccl" if sc.use_gpu else "gloo"),
         )

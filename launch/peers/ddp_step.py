@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from elastic.data import _column_to_numpy, list_shards
+from elastic.data import column_to_numpy, list_shards
 from elastic.models import MLPConfig
 
 
@@ -39,8 +39,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     table = pq.read_table(list_shards(a.data), columns=["x", "y"])
-    x = torch.from_numpy(_column_to_numpy(table["x"])[rank::world].copy())
-    y = torch.from_numpy(_column_to_numpy(table["y"])[rank::world].copy())
+    x = torch.from_numpy(column_to_numpy(table["x"])[rank::world].copy())
+    y = torch.from_numpy(column_to_numpy(table["y"])[rank::world].copy())
     per_rank = a.global_batch // world
 
     torch.manual_seed(0)
