@@ -54,6 +54,10 @@ class DataConfig:
     small datasets get smaller blocks still, at least 8 per worker."""
     prefetch_mb: float = 128.0
     """Per-worker read-ahead buffer; it also hides the start of the next epoch."""
+    cache_mb: float = 512.0
+    """Keep each worker's decoded share of the train split in memory after the first
+    epoch when the split's uncompressed size over ``scaling.min_workers`` is at most this
+    (MiB): later epochs then read nothing. 0 streams every epoch."""
     synthetic: SyntheticDataConfig | None = None
     """Set for generated data: the dataset is written to ``path`` when it is missing."""
 
@@ -215,6 +219,7 @@ def validate(cfg: TrainConfig) -> None:
     _positive("data.global_batch_size", d.global_batch_size)
     _positive("data.block_size_mb", d.block_size_mb)
     _positive("data.prefetch_mb", d.prefetch_mb)
+    _positive("data.cache_mb", d.cache_mb, allow_zero=True)
     if d.micro_batch_size is not None:
         _positive("data.micro_batch_size", d.micro_batch_size)
     bad = [w for w in range(sc.min_workers, sc.max_workers + 1) if w not in valid_world_sizes(cfg)]

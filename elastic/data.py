@@ -108,6 +108,11 @@ def decode_batch(batch: pa.Table, input_column: str, target_column: str) -> dict
     }
 
 
+def fits_cache(split: Split, cache_mb: float, min_workers: int) -> bool:
+    """Whether each worker's share of ``split`` fits ``data.cache_mb`` at any world size."""
+    return split.bytes <= cache_mb * 1024 * 1024 * min_workers
+
+
 def block_bytes(split_bytes: int, block_size_mb: float, max_workers: int) -> int:
     """Block size cap: ``block_size_mb``, or less so there are >= 8 blocks per worker."""
     return max(16 * 1024, min(int(block_size_mb * 1024 * 1024), split_bytes // (8 * max_workers)))
@@ -185,11 +190,19 @@ class EpochPrefetcher:
     the next epoch as soon as the current one is read, so that start overlaps with
     training on the buffered tail of the current epoch instead of stalling it. It reads
     at most one epoch ahead of training: further read-ahead only takes CPU from training.
+
+    ``cache=True`` (every worker must agree: Ray Data starts an epoch only when all splits
+    ask for it) reads the split once and keeps a copy of its blocks: every later epoch
+    comes from memory, in the same order, and reads nothing.
     """
 
-    def __init__(self, shard: Any, max_bytes: int, epochs: int | None = None) -> None:
+    def __init__(
+        self, shard: Any, max_bytes: int, epochs: int | None = None, cache: bool = False
+    ) -> None:
         self._shard = shard
-        self._epochs = epochs  # None: as many as the trainer asks for
+        self._epochs = 1 if cache else epochs  # None: as many as the trainer asks for
+        self._cache: list[dict[str, np.ndarray]] | None = [] if cache else None
+        self._cached = False  # the whole first epoch is in _cache
         self._queue: queue.Queue[Any] = queue.Queue()
         self._max_bytes = max_bytes
         self._bytes = 0
@@ -216,6 +229,10 @@ class EpochPrefetcher:
                                 return
                             self._cond.wait(timeout=1.0)
                         self._bytes += size
+                    if self._cache is not None:
+                        # a private copy: holding Ray's views would pin object-store memory
+                        block = {k: np.array(v) for k, v in block.items()}
+                        self._cache.append(block)
                     self._queue.put((block, size))
                 self._queue.put(_EPOCH_END)
         except BaseException as e:  # surface the reader's failure in the training thread
@@ -223,12 +240,16 @@ class EpochPrefetcher:
 
     def epoch(self) -> Iterator[dict[str, np.ndarray]]:
         """This worker's blocks of the next epoch, in order."""
+        if self._cached:
+            yield from self._cache or ()
+            return
         with self._cond:
             self._consuming += 1
             self._cond.notify_all()
         while True:
             item = self._queue.get()
             if item is _EPOCH_END:
+                self._cached = self._cache is not None
                 return
             if isinstance(item, BaseException):
                 raise item

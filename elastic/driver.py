@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from elastic.config import TrainConfig
-from elastic.data import Split, build_datasets, check_dataset, data_config
+from elastic.data import Split, build_datasets, check_dataset, data_config, fits_cache
 
 
 def prepare_data(cfg: TrainConfig) -> dict[str, Split]:
@@ -86,6 +86,9 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     rows = ", ".join(f"{s.rows} {name} rows" for name, s in splits.items())
     print(f"[elastic] dataset: {rows}")
     sc = cfg.scaling
+    cache_train = fits_cache(splits["train"], cfg.data.cache_mb, sc.min_workers)
+    if cache_train:
+        print("[elastic] the train split fits data.cache_mb: read once, then from memory")
     workers: int | tuple[int, int] = (
         sc.min_workers if sc.min_workers == sc.max_workers else (sc.min_workers, sc.max_workers)
     )
@@ -95,7 +98,12 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
         ray.data.DataContext.get_current().enable_progress_bars = False
         trainer = _interruptible(TorchTrainer)(
             train_loop,
-            train_loop_config={"cfg": cfg, "config_dict": config_dict, "run_dir": out},
+            train_loop_config={
+                "cfg": cfg,
+                "config_dict": config_dict,
+                "run_dir": out,
+                "cache_train": cache_train,
+            },
             scaling_config=ScalingConfig(
                 num_workers=workers,  # type: ignore[arg-type]  # (min, max) is elastic
                 use_gpu=sc.use_gpu,

@@ -63,7 +63,7 @@ def train_loop(config: dict[str, Any]) -> None:
 
     trainer = _Trainer(cfg, engine, plan, state, tracker, rank, world)
     val_shard = ray.train.get_dataset_shard("val") if cfg.data.val_path else None
-    trainer.train(ray.train.get_dataset_shard("train"), val_shard)
+    trainer.train(ray.train.get_dataset_shard("train"), val_shard, cache=config["cache_train"])
     val = trainer.validate(val_shard)
     trainer.finish(val)
     tracker.finish()
@@ -131,7 +131,7 @@ class _Trainer:
         )
 
     # -- training ---------------------------------------------------------------------
-    def train(self, shard: Any, val_shard: Any = None) -> None:
+    def train(self, shard: Any, val_shard: Any = None, cache: bool = False) -> None:
         self.engine.train()
         self.session_start = self.train_start = time.perf_counter()
         max_epochs = self.cfg.trainer.max_epochs
@@ -139,6 +139,7 @@ class _Trainer:
             shard,
             int(self.cfg.data.prefetch_mb * 1024 * 1024),
             epochs=max_epochs - self.state.epoch if max_epochs else None,
+            cache=cache,
         )
         while not self._done():
             stream = self._epoch_stream(prefetcher)

@@ -136,3 +136,19 @@ def test_wandb_offline_run_holds_the_logged_metrics(small_data, tmp_path):
     assert [r["_step"] for r in rows if "val/loss" in r] == [4, 6]
     logged = {r["_step"]: r["train/loss"] for r in rows if "train/loss" in r}
     assert logged == _losses(os.path.join(tmp_path, "tracked"))
+
+
+def test_cached_epochs_train_exactly_as_streamed_ones(small_data, tmp_path):
+    """The train split fits data.cache_mb, so epochs after the first come from each
+    worker's memory; with data.cache_mb=0 every epoch is read again through Ray Data.
+    Same rows, same order: the same losses to the bit, every epoch trained once."""
+    common = ["trainer.max_steps=0", "trainer.max_epochs=3", "logger=none"]
+    runs = {}
+    for name, cache in (("cached", "data.cache_mb=512"), ("streamed", "data.cache_mb=0")):
+        runs[name] = train(small_overrides(small_data, tmp_path, *common, cache, f"run.name={name}"))
+        assert runs[name]["epochs_closed"] == [
+            {"epoch": e, "trained": 1000, "duplicates": 0} for e in range(3)
+        ]
+    cached, streamed = _losses(tmp_path / "cached"), _losses(tmp_path / "streamed")
+    assert len(cached) == runs["cached"]["steps"] >= 3 * 16
+    assert cached == streamed
