@@ -145,7 +145,9 @@ def test_cached_epochs_train_exactly_as_streamed_ones(small_data, tmp_path):
     common = ["trainer.max_steps=0", "trainer.max_epochs=3", "logger=none"]
     runs = {}
     for name, cache in (("cached", "data.cache_mb=512"), ("streamed", "data.cache_mb=0")):
-        runs[name] = train(small_overrides(small_data, tmp_path, *common, cache, f"run.name={name}"))
+        runs[name] = train(
+            small_overrides(small_data, tmp_path, *common, cache, f"run.name={name}")
+        )
         assert runs[name]["epochs_closed"] == [
             {"epoch": e, "trained": 1000, "duplicates": 0} for e in range(3)
         ]
