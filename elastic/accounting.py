@@ -30,35 +30,24 @@ class SampleLedger:
         self.bitmap = np.zeros(0, dtype=np.uint8)
         self.trained = 0
         self.duplicates = 0
-        # rows each rank took from its own split this epoch (valid for one world size)
-        self.rows_by_rank: list[int] = []
-        self.world_size = 0
         self.closed_epochs: list[dict[str, int]] = []
         self.last_closed_bitmap = np.zeros(0, dtype=np.uint8)
         self._pending: list[np.ndarray] = []
-        self._pending_rows = 0
 
     # -- on every worker -------------------------------------------------------------
     def record(self, sample_ids: np.ndarray) -> None:
         if len(sample_ids):
             self._pending.append(np.asarray(sample_ids, dtype=np.int64))
-            self._pending_rows += len(sample_ids)
 
-    def take_pending(self) -> tuple[np.ndarray, int]:
+    def take_pending(self) -> np.ndarray:
         ids = np.concatenate(self._pending) if self._pending else np.zeros(0, np.int64)
-        rows = self._pending_rows
-        self._pending, self._pending_rows = [], 0
-        return ids, rows
+        self._pending = []
+        return ids
 
     # -- on rank 0 -----------------------------------------------------------------------
-    def merge(self, per_rank: list[tuple[np.ndarray, int]]) -> None:
+    def merge(self, per_rank: list[np.ndarray]) -> None:
         """Fold every rank's notes since the last merge into the epoch bitmap."""
-        if len(self.rows_by_rank) != len(per_rank):
-            self.rows_by_rank = [0] * len(per_rank)
-            self.world_size = len(per_rank)
-        ids = np.concatenate([p[0] for p in per_rank]) if per_rank else np.zeros(0, np.int64)
-        for rank, (_, rows) in enumerate(per_rank):
-            self.rows_by_rank[rank] += rows
+        ids = np.concatenate(per_rank) if per_rank else np.zeros(0, np.int64)
         if not len(ids):
             return
         need = int(ids.max()) // 8 + 1
@@ -84,7 +73,6 @@ class SampleLedger:
         self.epoch += 1
         self.bitmap = np.zeros(0, dtype=np.uint8)
         self.trained = self.duplicates = 0
-        self.rows_by_rank = [0] * len(self.rows_by_rank)
         return record
 
     def trained_ids(self, bitmap: np.ndarray | None = None) -> np.ndarray:
@@ -97,8 +85,6 @@ class SampleLedger:
             "epoch": self.epoch,
             "trained": self.trained,
             "duplicates": self.duplicates,
-            "rows_by_rank": list(self.rows_by_rank),
-            "world_size": self.world_size,
             "closed_epochs": list(self.closed_epochs),
         }
 
@@ -106,8 +92,6 @@ class SampleLedger:
         self.epoch = int(state["epoch"])
         self.trained = int(state["trained"])
         self.duplicates = int(state["duplicates"])
-        self.rows_by_rank = [int(r) for r in state["rows_by_rank"]]
-        self.world_size = int(state["world_size"])
         self.closed_epochs = [dict(r) for r in state["closed_epochs"]]
 
     def bitmaps_bytes(self) -> bytes:

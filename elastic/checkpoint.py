@@ -79,19 +79,26 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
+def write(engine: Any, state: TrainerState, rank: int, path: str) -> None:
+    """Write this rank's part of a checkpoint into ``path`` (every rank calls it: ZeRO
+    saves are collective)."""
+    engine.save_checkpoint(path, tag=DS_TAG)
+    torch.save(_rng_state(), os.path.join(path, f"rng-rank{rank}.pt"))
+    if rank == 0:
+        with open(os.path.join(path, SAMPLES_FILE), "wb") as f:
+            f.write(state.ledger.bitmaps_bytes())
+        with open(os.path.join(path, STATE_FILE), "w") as f:
+            json.dump(state.state_dict(), f, indent=1)
+
+
 def save(engine: Any, state: TrainerState, rank: int, metrics: dict[str, Any]) -> None:
     """Write this rank's part of the checkpoint for ``state.step`` and report it to Ray."""
     import ray.train
 
-    tmp = tempfile.mkdtemp(prefix=f"elastic-ckpt-r{rank}-")
+    # the pid in the name lets a test (or an operator) see which process is saving
+    tmp = tempfile.mkdtemp(prefix=f"elastic-ckpt-r{rank}-p{os.getpid()}-")
     try:
-        engine.save_checkpoint(tmp, tag=DS_TAG)
-        torch.save(_rng_state(), os.path.join(tmp, f"rng-rank{rank}.pt"))
-        if rank == 0:
-            with open(os.path.join(tmp, SAMPLES_FILE), "wb") as f:
-                f.write(state.ledger.bitmaps_bytes())
-            with open(os.path.join(tmp, STATE_FILE), "w") as f:
-                json.dump(state.state_dict(), f, indent=1)
+        write(engine, state, rank, tmp)
         ray.train.report(
             metrics,
             checkpoint=ray.train.Checkpoint.from_directory(tmp),
@@ -113,21 +120,51 @@ def read_state(path: str) -> TrainerState:
     return state
 
 
-def restore(engine: Any, checkpoint: Any, rank: int, world_size: int) -> TrainerState:
-    """Load model, optimizer, scheduler and trainer state from a reported checkpoint."""
-    with checkpoint.as_directory() as path:
-        state = read_state(path)
-        saved_world = state.world_sizes[-1] if state.world_sizes else world_size
-        if saved_world != world_size:
-            raise NotImplementedError(
-                f"checkpoint {path} was written at world size {saved_world}, this run has "
-                f"{world_size}: resharding resume is not supported yet; run with "
-                f"scaling.min_workers=scaling.max_workers={saved_world}"
-            )
+def needs_reshard(state: TrainerState, world_size: int, zero_stage: int) -> bool:
+    """A ZeRO 1-3 checkpoint written at another world size loads only as a universal one
+    (stage 0 keeps whole model and optimizer state on every rank: it loads as it is)."""
+    saved = state.world_sizes[-1] if state.world_sizes else world_size
+    return saved != world_size and zero_stage > 0
+
+
+def to_universal(path: str) -> str:
+    """Convert the DeepSpeed checkpoint in ``path`` to a universal one in a fresh temp dir
+    (the checkpoint itself is never modified; the caller removes the dir)."""
+    import argparse
+    import contextlib
+    import io
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    out = tempfile.mkdtemp(prefix="elastic-universal-")
+    args = argparse.Namespace(
+        input_folder=os.path.join(path, DS_TAG),
+        output_folder=os.path.join(out, DS_TAG),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,  # stages 1 and 2 lack the info the converter needs
+    )
+    # the converter prints and draws progress bars: keep the run's log readable
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        ds_to_universal.main(args)
+    return out
+
+
+def restore(engine: Any, path: str, rank: int, universal: bool = False) -> None:
+    """Load model, optimizer and scheduler state (and this rank's RNG) from a checkpoint
+    folder; ``universal`` (an engine built with ``load_universal``) reshards it."""
+    if universal:
+        converted = to_universal(path)
+        try:
+            load_path, _ = engine.load_checkpoint(converted, tag=DS_TAG)
+        finally:
+            shutil.rmtree(converted, ignore_errors=True)
+    else:
         load_path, _ = engine.load_checkpoint(path, tag=DS_TAG)
-        if load_path is None:
-            raise RuntimeError(f"DeepSpeed found no checkpoint under {path}/{DS_TAG}")
-        rng = os.path.join(path, f"rng-rank{rank}.pt")
-        if os.path.exists(rng):
-            _set_rng_state(torch.load(rng, weights_only=False))
-    return state
+    if load_path is None:
+        raise RuntimeError(f"DeepSpeed found no checkpoint under {path}/{DS_TAG}")
+    rng = os.path.join(path, f"rng-rank{rank}.pt")
+    if os.path.exists(rng):  # a rank that did not exist at the saved world size keeps its seed
+        _set_rng_state(torch.load(rng, weights_only=False))

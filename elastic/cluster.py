@@ -69,6 +69,35 @@ def connect(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[str]:
                 signal.signal(signal.SIGINT, previous)
         where = "embedded local Ray cluster"
     try:
+        fresh_node_view(scaling.node_refresh_s)
         yield where
     finally:
         ray.shutdown()
+
+
+def fresh_node_view(interval_s: float) -> None:
+    """Make Ray Train's elastic policy see node deaths and arrivals within ``interval_s``.
+
+    Ray Train 2.60 sizes an elastic worker group from the resources Ray Data's
+    cluster-wide ``AutoscalingCoordinator`` actor reserves, and that actor refreshes its
+    view of the nodes every 20 s: a dead node looks alive for up to 20 s (the restart
+    asks for it and waits out ``scaling.start_timeout_s``) and a new node is noticed up
+    to 20 s late. We create that (detached, named) actor first, with a shorter refresh.
+    If it already exists (another job on a long-lived cluster made it), it is left as
+    it is."""
+    import ray
+    from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as dac
+
+    base = dac._AutoscalingCoordinatorActor
+    if not isinstance(getattr(base, "TICK_INTERVAL_S", None), (int, float)):
+        return  # Ray moved on: nothing to tune
+    fast = type("FastRefreshAutoscalingCoordinator", (base,), {"TICK_INTERVAL_S": interval_s})
+    ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(fast).options(
+        name="AutoscalingCoordinator",
+        namespace="AutoscalingCoordinator",
+        get_if_exists=True,
+        lifetime="detached",
+        scheduling_strategy=dac.NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False
+        ),
+    ).remote()

@@ -86,8 +86,43 @@ class StrategyConfig:
 class ScalingConfig:
     min_workers: int = 2
     max_workers: int = 2
+    """min < max is elastic: Ray Train runs as many workers as the cluster holds, shrinks
+    when a node dies and grows when one joins (restarting from the latest checkpoint)."""
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
+    batch_policy: str = "strict"
+    """strict: every world size in min..max must split data.global_batch_size (a config
+    error lists those that do); adjust: a world size that cannot gets the nearest global
+    batch it can split, with the learning rate scaled linearly (logged as an event)."""
+    max_failures: int = 3
+    """Worker/node failures to recover from (Ray's FailureConfig); -1 = no limit.
+    Preemptions (node drains) are not counted against it."""
+    resize_interval_s: float = 10.0
+    """How often a healthy elastic run checks whether more workers fit (Ray default 60)."""
+    start_timeout_s: float = 5.0
+    """Give up on starting a worker group after this long and retry at the size the
+    cluster now holds (Ray default 60: a dead node's workers are waited for that long)."""
+    health_check_interval_s: float = 1.0
+    """Controller polls of the workers (Ray default 2)."""
+    worker_health_check_timeout_s: float = 60.0
+    """A worker whose health check hangs this long is dead (Ray default 600)."""
+
+    node_refresh_s: float = 2.0
+    """How often the node view Ray Train sizes elastic groups from is refreshed (Ray Data's
+    autoscaling coordinator; Ray default 20): a dead node stops being asked for, and a
+    new node is used, within this."""
+    drain_poll_interval_s: float = 1.0
+    """How often Ray Train looks for drained (preempted) nodes (Ray default 5); a drain
+    makes the run checkpoint at once."""
+
+    def ray_env(self) -> dict[str, str]:
+        """Ray Train's recovery knobs, as the environment its controller reads."""
+        return {
+            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(self.start_timeout_s),
+            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(self.health_check_interval_s),
+            "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": str(self.worker_health_check_timeout_s),
+            "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": str(self.drain_poll_interval_s),
+        }
 
 
 @dataclass
@@ -222,12 +257,29 @@ def validate(cfg: TrainConfig) -> None:
     _positive("data.cache_mb", d.cache_mb, allow_zero=True)
     if d.micro_batch_size is not None:
         _positive("data.micro_batch_size", d.micro_batch_size)
-    bad = [w for w in range(sc.min_workers, sc.max_workers + 1) if w not in valid_world_sizes(cfg)]
-    if bad:
+    _allowed("scaling.batch_policy", sc.batch_policy, ("strict", "adjust"))
+    if sc.max_failures < -1:
+        raise ConfigError(f"scaling.max_failures={sc.max_failures}: use -1 (no limit) or >= 0")
+    for key in (
+        "resize_interval_s",
+        "start_timeout_s",
+        "health_check_interval_s",
+        "drain_poll_interval_s",
+        "node_refresh_s",
+    ):
+        _positive(f"scaling.{key}", getattr(sc, key))
+    _positive("scaling.worker_health_check_timeout_s", sc.worker_health_check_timeout_s)
+    sizes = range(sc.min_workers, sc.max_workers + 1)
+    ok = valid_world_sizes(cfg)
+    bad = [w for w in sizes if w not in ok]
+    if bad and sc.batch_policy == "strict":
+        works = f"it does at {', '.join(map(str, ok))}" if ok else "it does at none of them"
         raise ConfigError(
             f"data.global_batch_size={d.global_batch_size} does not split into whole micro "
-            f"batches at world size {bad[0]} (micro_batch_size={d.micro_batch_size}): "
-            f"use a multiple of {_lcm_hint(cfg)}"
+            f"batches (micro_batch_size={d.micro_batch_size}) at world size "
+            f"{', '.join(map(str, bad))} of {sc.min_workers}..{sc.max_workers} ({works}): "
+            f"use a multiple of {_lcm_hint(cfg)}, narrow the scaling range, or set "
+            "scaling.batch_policy=adjust"
         )
     if not str(d.path).strip():
         raise ConfigError("data.path is empty: set data.path=/dir/with/parquet/shards")

@@ -287,9 +287,8 @@ class StepStream:
     share has run out) and the loss can be weighted by the true global row count. The
     epoch ends when a step finds no rows anywhere.
 
-    Resume: ``skip_rows`` drops the first rows of the split (exact when the world size is
-    unchanged: splits are deterministic); ``skip_ids`` drops rows already trained
-    (a packed bitmap over ``sample_id``, for a changed world size).
+    Resume: ``skip_ids`` (a packed bitmap over ``sample_id``) drops the rows the epoch
+    has already trained, at any world size.
     """
 
     def __init__(
@@ -297,14 +296,12 @@ class StepStream:
         blocks: Iterator[dict[str, np.ndarray]],
         rows_per_step: int,
         count_all_reduce: Any,
-        skip_rows: int = 0,
         skip_ids: np.ndarray | None = None,
         empty: dict[str, np.ndarray] | None = None,
     ) -> None:
         self._batches = blocks
         self._rows_per_step = rows_per_step
         self._count_all_reduce = count_all_reduce
-        self._skip_rows = skip_rows
         self._skip_ids = skip_ids
         self._pending: deque[dict[str, np.ndarray]] = deque()
         self._pending_rows = 0
@@ -313,10 +310,6 @@ class StepStream:
         self._empty = empty
 
     def _filter(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if self._skip_rows:
-            drop = min(self._skip_rows, len(batch[ID_COLUMN]))
-            self._skip_rows -= drop
-            batch = {k: v[drop:] for k, v in batch.items()}
         if self._skip_ids is not None and len(batch[ID_COLUMN]):
             seen = bitmap_contains(self._skip_ids, batch[ID_COLUMN])
             if seen.any():

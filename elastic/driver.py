@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from elastic.config import TrainConfig
+from elastic.control import start_control
 from elastic.data import Split, build_datasets, check_dataset, data_config, fits_cache
 
 
@@ -93,9 +97,12 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
         sc.min_workers if sc.min_workers == sc.max_workers else (sc.min_workers, sc.max_workers)
     )
     started = time.time()
+    # Ray Train's controller reads its recovery knobs from the environment it inherits
+    os.environ.update(sc.ray_env())
     with cluster.connect(cfg.cluster, sc) as where:
         print(f"[elastic] connected to {where}", flush=True)
         ray.data.DataContext.get_current().enable_progress_bars = False
+        control = start_control()
         trainer = _interruptible(TorchTrainer)(
             train_loop,
             train_loop_config={
@@ -103,34 +110,91 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
                 "config_dict": config_dict,
                 "run_dir": out,
                 "cache_train": cache_train,
+                "train_rows": splits["train"].rows,
+                "control": control,
             },
             scaling_config=ScalingConfig(
                 num_workers=workers,  # type: ignore[arg-type]  # (min, max) is elastic
                 use_gpu=sc.use_gpu,
                 resources_per_worker={"CPU": sc.cpus_per_worker},
+                # Train V2 field (mypy sees the V1 class)
+                elastic_resize_monitor_interval_s=sc.resize_interval_s,  # type: ignore[call-arg]
             ),
             run_config=RunConfig(
                 name=cfg.run.name,
                 storage_path=cfg.run.storage_path,
                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-                failure_config=FailureConfig(max_failures=0),
+                failure_config=FailureConfig(max_failures=sc.max_failures),
             ),
             datasets=build_datasets(cfg.data, splits, sc.max_workers),
             dataset_config=data_config(),
             torch_config=TorchConfig(backend="nccl" if sc.use_gpu else "gloo"),
         )
-        result = trainer.fit()
+        with _stop_on_signals(control):
+            result = trainer.fit()
     metrics = result.metrics or {}
+    events = read_events(out)
     summary: dict[str, Any] = {
         "status": "finished",
         "experiment": cfg.run.experiment,
         "run_name": cfg.run.name,
         **(metrics.get("summary") or {}),
+        # every world size the run trained at, in order (a group that failed before its
+        # next checkpoint is in the events, not in the surviving trainer state)
+        "world_sizes": world_sizes(events),
+        "events": events,
         "checkpoint": result.checkpoint.path if result.checkpoint else None,
         "wall_s": time.time() - started,
     }
     summary.setdefault("wandb_dir", None)
     return summary
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@contextmanager
+def _stop_on_signals(control: Any) -> Iterator[None]:
+    """SIGTERM or SIGUSR1 to the driver (a batch system's warning before the end of an
+    allocation): checkpoint now and stop; the same command resumes. A second one
+    stops at once, like Ctrl-C (the last complete checkpoint is kept)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if getattr(handler, "seen", False):
+            raise KeyboardInterrupt
+        handler.seen = True  # type: ignore[attr-defined]
+        print(f"[elastic] {name}: checkpointing now, then stopping", flush=True)
+        control.request_stop.remote(name)
+
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def world_sizes(events: list[dict[str, Any]]) -> list[int]:
+    sizes: list[int] = []
+    for e in events:
+        if e["event"] == "world_size" and (not sizes or sizes[-1] != e["world_size"]):
+            sizes.append(e["world_size"])
+    return sizes
+
+
+def read_events(run_dir: str) -> list[dict[str, Any]]:
+    """Every event rank 0 has recorded for the run (all sessions, all worker groups): the
+    run's history file is appended to and flushed per record, so it also holds what
+    happened after the last checkpoint of a group that then failed."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [r for r in map(json.loads, f) if "event" in r]
 
 
 def write_summary(summary: dict[str, Any], output_dir: str) -> str:

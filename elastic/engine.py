@@ -12,7 +12,9 @@ from elastic.batch import BatchPlan
 from elastic.config import TrainConfig
 
 
-def deepspeed_config(cfg: TrainConfig, plan: BatchPlan) -> dict[str, Any]:
+def deepspeed_config(
+    cfg: TrainConfig, plan: BatchPlan, load_universal: bool = False
+) -> dict[str, Any]:
     s = cfg.strategy
     ds: dict[str, Any] = {
         "train_batch_size": plan.global_batch_size,
@@ -28,16 +30,19 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan) -> dict[str, Any]:
     }
     if s.gradient_clipping:
         ds["gradient_clipping"] = s.gradient_clipping
+    if load_universal:
+        ds["checkpoint"] = {"load_universal": True}
     return ds
 
 
-def _optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:
+def _optimizer(cfg: TrainConfig, params: Any, lr_scale: float = 1.0) -> torch.optim.Optimizer:
     o = cfg.optim
+    lr = o.lr * lr_scale
     if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=0.9, weight_decay=o.weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=o.weight_decay)
     cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
     betas = (float(o.betas[0]), float(o.betas[1]))
-    return cls(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
+    return cls(params, lr=lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
 
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:
@@ -72,15 +77,28 @@ def init_distributed(use_gpu: bool) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
 
 
-def build_engine(cfg: TrainConfig, plan: BatchPlan, model: torch.nn.Module) -> Any:
+def build_engine(
+    cfg: TrainConfig, plan: BatchPlan, model: torch.nn.Module, load_universal: bool = False
+) -> Any:
     import deepspeed
 
-    optimizer = _optimizer(cfg, model.parameters())
+    optimizer = _optimizer(cfg, model.parameters(), plan.lr_scale)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step))
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
         lr_scheduler=scheduler,
-        config=deepspeed_config(cfg, plan),
+        config=deepspeed_config(cfg, plan, load_universal),
     )
     return engine
+
+
+def set_base_lr(engine: Any, lr: float) -> None:
+    """After a restore: the learning rate follows the config and the batch plan of this
+    start (an adjusted global batch scales it), not the one saved in the checkpoint."""
+    scheduler = engine.lr_scheduler
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
+    for group in scheduler.optimizer.param_groups:
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor

@@ -20,8 +20,9 @@ import torch.distributed as dist
 from elastic import checkpoint as ckpt
 from elastic.batch import BatchPlan
 from elastic.config import TrainConfig
+from elastic.control import StopPoller, node_drain_pending
 from elastic.data import EpochPrefetcher, StepBatch, StepStream, shard_blocks
-from elastic.engine import build_engine, init_distributed
+from elastic.engine import build_engine, init_distributed, set_base_lr
 from elastic.models import MetricSums, per_sample_loss
 from elastic.tracking import NullTracker, make_tracker
 
@@ -33,22 +34,31 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 
 
 def train_loop(config: dict[str, Any]) -> None:
+    import ray
     import ray.train
 
     cfg: TrainConfig = config["cfg"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    plan = BatchPlan.for_world(cfg.data.global_batch_size, world, cfg.data.micro_batch_size)
+    plan = BatchPlan.for_policy(
+        cfg.scaling.batch_policy, cfg.data.global_batch_size, world, cfg.data.micro_batch_size
+    )
 
     init_distributed(cfg.scaling.use_gpu)
     _seed_everything(cfg.trainer.seed)
     model = cfg.model.build()
-    engine = build_engine(cfg, plan, model)
-
     state = ckpt.TrainerState()
     resume_from = ray.train.get_checkpoint()
-    if resume_from is not None:
-        state = ckpt.restore(engine, resume_from, rank, world)
+    resharded = False
+    if resume_from is None:
+        engine = build_engine(cfg, plan, model)
+    else:
+        with resume_from.as_directory() as path:
+            state = ckpt.read_state(path)
+            resharded = ckpt.needs_reshard(state, world, cfg.strategy.zero_stage)
+            engine = build_engine(cfg, plan, model, load_universal=resharded)
+            ckpt.restore(engine, path, rank, universal=resharded)
+        set_base_lr(engine, cfg.optim.lr * plan.lr_scale)
     tracker = make_tracker(
         rank,
         cfg=cfg.logger,
@@ -59,12 +69,22 @@ def train_loop(config: dict[str, Any]) -> None:
         run_id=state.wandb_run_id,
     )
     state.wandb_run_id = tracker.run_id
-    _note_start(state, tracker, plan, resumed=resume_from is not None)
+    control = config.get("control")
+    if rank == 0 and control is not None:
+        starts = ray.get(control.register_start.remote(world))
+        if len(starts) > 1:  # Ray Train restarted the worker group within this run
+            before = starts[-2]
+            cause = "grow" if world > before else "shrink" if world < before else "failure"
+            tracker.event(state.step, "restart", cause=cause, world_size=world, previous=before)
+    _note_start(state, tracker, plan, resumed=resume_from is not None, resharded=resharded)
 
-    trainer = _Trainer(cfg, engine, plan, state, tracker, rank, world)
+    trainer = _Trainer(
+        cfg, engine, plan, state, tracker, rank, world, control, config["train_rows"]
+    )
     val_shard = ray.train.get_dataset_shard("val") if cfg.data.val_path else None
     trainer.train(ray.train.get_dataset_shard("train"), val_shard, cache=config["cache_train"])
-    val = trainer.validate(val_shard)
+    # a preempted run checkpoints and goes: validation would eat into the grace period
+    val = {} if trainer.stop_reason == "preempted" else trainer.validate(val_shard)
     trainer.finish(val)
     tracker.finish()
     dist.barrier()
@@ -78,19 +98,45 @@ def _seed_everything(seed: int) -> None:
 
 
 def _note_start(
-    state: ckpt.TrainerState, tracker: NullTracker, plan: BatchPlan, resumed: bool
+    state: ckpt.TrainerState,
+    tracker: NullTracker,
+    plan: BatchPlan,
+    resumed: bool,
+    resharded: bool = False,
 ) -> None:
+    """Events of this (re)start: resume, world size change, batch policy change."""
     if resumed:
-        tracker.event(state.step, "resume", world_size=plan.world_size, epoch=state.epoch)
+        tracker.event(
+            state.step,
+            "resume",
+            world_size=plan.world_size,
+            epoch=state.epoch,
+            resharded=resharded,
+            from_world_size=state.world_sizes[-1] if state.world_sizes else plan.world_size,
+        )
+    previous = state.batch_plans[-1] if state.batch_plans else None
     if not state.world_sizes or state.world_sizes[-1] != plan.world_size:
         state.world_sizes.append(plan.world_size)
         state.batch_plans.append(plan.to_dict())
+    # every group start: the checkpoint may predate a group that came and went
+    tracker.event(
+        state.step,
+        "world_size",
+        world_size=plan.world_size,
+        micro_batch_size=plan.micro_batch_size,
+        grad_accum_steps=plan.grad_accum_steps,
+    )
+    if previous is not None and previous["global_batch_size"] == plan.global_batch_size:
+        return
+    if plan.adjusted or previous is not None:
+        # scaling.batch_policy=adjust moved the global batch (or moved it back)
         tracker.event(
             state.step,
-            "world_size",
+            "batch_policy",
             world_size=plan.world_size,
-            micro_batch_size=plan.micro_batch_size,
-            grad_accum_steps=plan.grad_accum_steps,
+            requested_global_batch_size=plan.requested_global_batch_size or plan.global_batch_size,
+            global_batch_size=plan.global_batch_size,
+            lr_scale=plan.lr_scale,
         )
 
 
@@ -104,9 +150,17 @@ class _Trainer:
         tracker: NullTracker,
         rank: int,
         world: int,
+        control: Any = None,
+        train_rows: int = 0,
     ) -> None:
         self.cfg, self.engine, self.plan, self.state = cfg, engine, plan, state
         self.tracker, self.rank, self.world = tracker, rank, world
+        # stop requests (the driver's SIGTERM/SIGUSR1) and node drains, made common to
+        # all ranks by the per-step all-reduce
+        self._stop_poller = StopPoller(control if rank == 0 else None)
+        self._stop_requested = self._drain_pending = self._drain_saved = False
+        self.stop_reason: str | None = None  # "stopped" (trainer.stop_at_step), "preempted"
+        self.train_rows = train_rows  # samples in one epoch of the train split
         self.task = cfg.model.task
         self.device = engine.device
         self.dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
@@ -115,7 +169,6 @@ class _Trainer:
         self.session_start = self.train_start = self.train_end = time.perf_counter()
         self.steady_start: float | None = None
         self.steady_samples = 0
-        self.stopped_early = False
         # loss over the current log interval: [sum of per-sample losses, rows]
         self._interval = torch.zeros(2, dtype=torch.float64)
         self._interval_start = time.perf_counter()
@@ -127,7 +180,7 @@ class _Trainer:
         return (
             (t.max_steps > 0 and s.step >= t.max_steps)
             or (t.max_epochs > 0 and s.epoch >= t.max_epochs)
-            or self.stopped_early
+            or self.stop_reason is not None
         )
 
     # -- training ---------------------------------------------------------------------
@@ -152,6 +205,7 @@ class _Trainer:
                 if batch is None:
                     break
                 self._train_step(batch)
+                self._after_step_signals()
                 self._maybe_validate(val_shard)
                 if self.steady_start is None:
                     # throughput counts from the end of the first step: the pipeline's
@@ -169,26 +223,46 @@ class _Trainer:
         self._fold_times()
 
     def _epoch_stream(self, prefetcher: EpochPrefetcher) -> StepStream:
+        # Resume mid-epoch: skip what the checkpoint's bitmap says the epoch has trained.
+        # At an unchanged world size the split is deterministic and the skipped rows are
+        # exactly each worker's first ones, so the run continues bit for bit.
         ledger = self.state.ledger
-        skip_rows = 0
-        if ledger.rows_by_rank and ledger.world_size == self.world:
-            # same world size: the split is deterministic, so skipping our own first rows
-            # resumes exactly where the checkpointed run was
-            skip_rows = ledger.rows_by_rank[self.rank]
-        skip_ids = ledger.bitmap if ledger.trained and not skip_rows else None
         return StepStream(
             prefetcher.epoch(),
             self.plan.per_worker,
             self._all_reduce_count,
-            skip_rows,
-            skip_ids,
+            skip_ids=ledger.bitmap if ledger.trained else None,
             empty=self._empty_batch(),
         )
 
     def _all_reduce_count(self, rows: int) -> int:
-        t = torch.tensor([rows], dtype=torch.int64, device=self._collective_device)
+        """The step's row count over all ranks, and (in the same all-reduce) whether any
+        rank has seen a stop request or a node drain."""
+        stop = self._stop_poller.poll() is not None
+        drain = node_drain_pending()
+        t = torch.tensor([rows, stop, drain], dtype=torch.int64, device=self._collective_device)
         dist.all_reduce(t)
-        return int(t.item())
+        self._stop_requested = self._stop_requested or bool(t[1])
+        self._drain_pending = bool(t[2])
+        return int(t[0])
+
+    def _after_step_signals(self) -> None:
+        """A stop request checkpoints and ends the run (resumable: a requeue); a node
+        drain checkpoints now, once, and goes on until Ray Train restarts the group
+        without the drained node."""
+        if self._stop_requested and self.stop_reason is None:
+            self.stop_reason = "preempted"
+            self.tracker.event(
+                self.state.step,
+                "preempted",
+                reason=self._stop_poller.reason or "stop requested",
+                world_size=self.world,
+            )
+        elif self._drain_pending and not self._drain_saved:
+            self._drain_saved = True
+            self.tracker.event(self.state.step, "node_drain", world_size=self.world)
+            if not self._done():
+                self._save({"step": self.state.step, "loss": self.state.loss_last})
 
     @property
     def _collective_device(self) -> torch.device:
@@ -277,7 +351,7 @@ class _Trainer:
     def _maybe_checkpoint(self) -> None:
         s, t, every = self.state, self.cfg.trainer, self.cfg.checkpoint.every_steps
         if t.stop_at_step and s.step >= t.stop_at_step:
-            self.stopped_early = True
+            self.stop_reason = "stopped"
             return  # the final checkpoint in finish() covers it
         if self._done():
             return
@@ -359,6 +433,14 @@ class _Trainer:
             "y": np.zeros((0, getattr(self.cfg.model, "output_dim", 1)), np.float32),
         }
 
+    def _exactly_once(self) -> bool:
+        """From the ledger the surviving checkpoints carry: every closed epoch trained
+        each of the dataset's samples once (its bitmap holds them all, no sample was
+        noted twice), and the open epoch has no sample twice."""
+        ledger, rows = self.state.ledger, self.train_rows
+        closed = all(e["trained"] == rows and e["duplicates"] == 0 for e in ledger.closed_epochs)
+        return closed and ledger.duplicates == 0 and ledger.trained <= rows
+
     def finish(self, val: dict[str, float]) -> None:
         """Final checkpoint, carrying the run's summary as its metrics."""
         s = self.state
@@ -369,7 +451,7 @@ class _Trainer:
         shares = {p: s.time_s.get(p, 0.0) / total for p in PHASES}
         shares["other"] = max(0.0, 1.0 - sum(shares.values()))
         summary = {
-            "status": "stopped" if self.stopped_early else "finished",
+            "status": self.stop_reason or "finished",
             "steps": s.step,
             "epoch": s.epoch,
             "samples_seen": s.samples_seen,
@@ -381,5 +463,6 @@ class _Trainer:
             "time_breakdown": shares,
             "wandb_dir": self.tracker.wandb_dir,
             "epochs_closed": s.ledger.closed_epochs,
+            "samples_exactly_once": self._exactly_once(),
         }
         ckpt.save(self.engine, s, self.rank, {"step": s.step, "summary": summary})

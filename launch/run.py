@@ -35,6 +35,10 @@ def main(cfg: DictConfig) -> None:
         f"loss {summary.get('loss_first')} -> {summary.get('loss_last')}, val {summary.get('val')}"
     )
     print(f"[elastic] summary: {path}")
+    if summary["status"] == "preempted":
+        # EX_TEMPFAIL: checkpointed on a stop signal; the same command resumes
+        print("[elastic] preempted: run the same command (same run.name) to resume")
+        sys.exit(75)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,82 @@
+"""The run's control channel: one small actor owned by the driver for the whole fit().
+
+The driver asks it to stop (SIGTERM/SIGUSR1 to the driver: a batch system's warning);
+rank 0 of each worker group polls it without blocking and the answer reaches every rank
+inside the per-step all-reduce the loop does anyway. Each worker group start registers
+here, so a restarted group knows it is a restart (after a failure, a shrink or a grow)
+even when no checkpoint recorded the previous one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+POLL_INTERVAL_S = 0.5
+
+
+class RunControl:
+    """Runs as a ``num_cpus=0`` Ray actor; plain methods, no Ray imports."""
+
+    def __init__(self) -> None:
+        self._stop_reason: str | None = None
+        self._starts: list[int] = []
+
+    def request_stop(self, reason: str) -> None:
+        self._stop_reason = self._stop_reason or reason
+
+    def stop_reason(self) -> str | None:
+        return self._stop_reason
+
+    def register_start(self, world_size: int) -> list[int]:
+        """World sizes of every worker group start of this fit(), this one last."""
+        self._starts.append(world_size)
+        return list(self._starts)
+
+
+def start_control() -> Any:
+    """On the driver's node: it must outlive any worker node (its state is the run's)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(num_cpus=0)(RunControl).options(scheduling_strategy=here).remote()
+
+
+class StopPoller:
+    """Rank 0's view of the control actor: never blocks a training step."""
+
+    def __init__(self, control: Any) -> None:
+        self._control = control
+        self._pending: Any = None
+        self._last = 0.0
+        self.reason: str | None = None
+
+    def poll(self) -> str | None:
+        import ray
+
+        if self._control is None or self.reason:
+            return self.reason
+        if self._pending is not None:
+            ready, _ = ray.wait([self._pending], timeout=0)
+            if ready:
+                self.reason = ray.get(ready[0])
+                self._pending = None
+        now = time.monotonic()
+        if self._pending is None and not self.reason and now - self._last >= POLL_INTERVAL_S:
+            self._pending = self._control.stop_reason.remote()
+            self._last = now
+        return self.reason
+
+
+def node_drain_pending() -> bool:
+    """Ray Train marks this worker when a node of the group is being drained (preempted).
+
+    The local mark, read without Ray Train's barrier (``ray.train.get_preemption_info``
+    waits for every rank); the loop's own per-step all-reduce makes the answer common."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context().preemption_context.preemption_info is not None
+    except Exception:  # not inside a Ray Train V2 worker, or the internals moved
+        return False

@@ -1,0 +1,206 @@
+"""Elastic training on real multi-raylet Ray clusters, with real kills: nodes die and join,
+worker processes are SIGKILLed mid-step and mid-checkpoint, nodes are drained, the driver
+gets SIGTERM. Each run is the real command line; what it must show is in its files."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from raycluster import RayCluster, Run, saving_pids
+
+ROWS, BATCH, EPOCHS = 2048, 64, 6
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from elastic.synthetic import generate
+
+    root = tmp_path_factory.mktemp("elastic-data")
+    generate(str(root / "train"), str(root / "val"), ROWS, 256, 8, 64, 4, seed=1)
+    return root
+
+
+def _overrides(data, *extra: str) -> list[str]:
+    return [
+        "+experiment=smoke",
+        f"data.path={data}/train",
+        f"data.val_path={data}/val",
+        "model.input_dim=64",
+        "model.output_dim=4",
+        "model.hidden_dims=[1024,1024]",
+        f"data.global_batch_size={BATCH}",
+        "trainer.max_steps=0",
+        f"trainer.max_epochs={EPOCHS}",
+        "trainer.log_every_steps=1",
+        "checkpoint.every_steps=5",
+        "logger=none",
+        "scaling.resize_interval_s=2",
+        *extra,
+    ]
+
+
+@pytest.fixture
+def cluster():
+    clusters: list[RayCluster] = []
+
+    def make(worker_nodes: int) -> RayCluster:
+        clusters.append(RayCluster(worker_nodes))
+        return clusters[-1]
+
+    yield make
+    for c in clusters:
+        c.shutdown()
+
+
+def _assert_every_epoch_once(summary: dict) -> None:
+    assert summary["samples_exactly_once"] is True
+    assert summary["epochs_closed"] == [
+        {"epoch": e, "trained": ROWS, "duplicates": 0} for e in range(EPOCHS)
+    ]
+
+
+def _losses(run: Run) -> list[tuple[int, float]]:
+    """(step, loss) in the order logged: a step trained again after a restart repeats."""
+    return [(r["step"], r["train/loss"]) for r in run.records() if "train/loss" in r]
+
+
+def _assert_loss_continues(run: Run, resume_step: int) -> None:
+    """The first step after a resume from ``resume_step`` has about the loss that step had
+    the first time (a resume that lost model or optimizer state starts over instead)."""
+    losses = _losses(run)
+    first = next(loss for step, loss in losses if step == resume_step + 1)
+    again = [loss for step, loss in losses if step == resume_step + 1][-1]
+    initial = losses[0][1]
+    assert abs(again - first) < 0.5 * (initial - first), (resume_step, first, again, initial)
+
+
+def test_node_dies_then_joins(cluster, data, tmp_path):
+    """2 workers on 2 nodes; a node is killed -> the run goes on with 1; a node joins ->
+    it grows back to 2; every sample of every epoch trained once; the loss continues."""
+    c = cluster(2)
+    run = Run(
+        tmp_path,
+        "shrink-grow",
+        _overrides(
+            data, "scaling.min_workers=1", "scaling.max_workers=2", "scaling.cpus_per_worker=3"
+        ),
+        c.address,
+    )
+    run.wait_for("a registered checkpoint", lambda: run.registered_steps())
+    c.remove_node(c.nodes[0])
+    shrunk = run.wait_for(
+        "world size 1", lambda: [e for e in run.events("world_size") if e["world_size"] == 1]
+    )[0]
+    # let the smaller group train and checkpoint before the node joins
+    run.wait_for(
+        "a checkpoint at world size 1", lambda: max(run.registered_steps()) > shrunk["step"]
+    )
+    c.add_node()
+    assert run.finish() == 0, run.output()[-5000:]
+    s = run.summary()
+    assert s["status"] == "finished"
+    assert s["world_sizes"] == [2, 1, 2]
+    restarts = [e for e in s["events"] if e["event"] == "restart"]
+    assert [(e["cause"], e["world_size"]) for e in restarts] == [("shrink", 1), ("grow", 2)]
+    resumes = [e for e in s["events"] if e["event"] == "resume"]
+    assert [(e["from_world_size"], e["world_size"], e["resharded"]) for e in resumes] == [
+        (2, 1, True),
+        (1, 2, True),
+    ]
+    _assert_every_epoch_once(s)
+    _assert_loss_continues(run, resumes[0]["step"])
+
+
+def test_worker_killed_mid_step_and_mid_checkpoint(cluster, data, tmp_path):
+    """SIGKILL a worker process during training, then another while it writes a
+    checkpoint: the half-written checkpoint is never resumed from."""
+    c = cluster(2)
+    run = Run(
+        tmp_path,
+        "kills",
+        _overrides(
+            data, "scaling.min_workers=2", "scaling.max_workers=2", "scaling.cpus_per_worker=3"
+        ),
+        c.address,
+    )
+    run.wait_for("a registered checkpoint", lambda: run.registered_steps())
+    registered = max(run.registered_steps())
+    os.kill(c.train_worker_pids()[0], signal.SIGKILL)
+    killed_at = run.last_step()
+    run.wait_for("restart", lambda: run.events("restart"))
+    resumed_at = run.events("resume")[-1]["step"]
+    # from the newest checkpoint Ray had registered (complete on every rank) at the kill
+    assert registered <= resumed_at <= killed_at and resumed_at % 5 == 0
+
+    def saving_worker():
+        workers = set(c.train_worker_pids())
+        return next((pid for pid in saving_pids() if pid in workers), None)
+
+    run.wait_for("a checkpoint after the restart", lambda: run.last_step() > resumed_at)
+    pid = run.wait_for("a checkpoint save", saving_worker, poll=0.002)
+    os.kill(pid, signal.SIGKILL)
+    killed_save = run.last_step()  # rank 0 logs a step before it checkpoints it
+    run.wait_for("second restart", lambda: len(run.events("restart")) >= 2)
+    assert run.finish() == 0, run.output()[-5000:]
+    s = run.summary()
+    assert [e["cause"] for e in s["events"] if e["event"] == "restart"] == ["failure"] * 2
+    resumes = [e["step"] for e in s["events"] if e["event"] == "resume"]
+    # the save killed halfway is not the one resumed from: the one before it is
+    assert resumes[1] < killed_save and resumes[1] % 5 == 0, (resumes, killed_save)
+    assert s["world_sizes"] == [2]
+    _assert_every_epoch_once(s)
+
+
+def test_drained_node_checkpoints_at_once_then_shrinks(cluster, data, tmp_path):
+    """A node drain (Ray's preemption notice) makes the run checkpoint right away; when
+    the node then goes, the run resumes from that checkpoint: no step is lost."""
+    c = cluster(2)
+    run = Run(
+        tmp_path,
+        "drain",
+        _overrides(
+            data,
+            "scaling.min_workers=1",
+            "scaling.max_workers=2",
+            "scaling.cpus_per_worker=3",
+            "checkpoint.every_steps=1000",
+        ),
+        c.address,
+    )
+    run.wait_for("step 10", lambda: run.last_step() >= 10)
+    victim = c.nodes[0]
+    c.drain(victim, deadline_s=60)
+    drain = run.wait_for("the drain event", lambda: run.events("node_drain"))[0]
+    run.wait_for("the drain checkpoint", lambda: drain["step"] in run.registered_steps())
+    c.remove_node(victim)  # the machine goes, as the drain announced
+    assert run.finish() == 0, run.output()[-5000:]
+    s = run.summary()
+    assert s["world_sizes"] == [2, 1]
+    resumes = [e["step"] for e in s["events"] if e["event"] == "resume"]
+    assert resumes == [drain["step"]]
+    _assert_every_epoch_once(s)
+
+
+def test_sigterm_to_the_driver_checkpoints_and_the_rerun_resumes(data, tmp_path):
+    """A batch system's warning signal: checkpoint now, exit 75; the same command resumes
+    from that checkpoint (not from the last periodic one) and finishes."""
+    overrides = _overrides(data, "checkpoint.every_steps=1000", "model.hidden_dims=[256,256]")
+    run = Run(tmp_path, "preempt", overrides)
+    run.wait_for("step 12", lambda: run.last_step() >= 12)
+    run.signal(signal.SIGTERM)
+    assert run.finish() == 75, run.output()[-5000:]
+    first = run.summary()
+    assert first["status"] == "preempted"
+    stopped_at = first["steps"]
+    assert stopped_at >= 12
+    assert os.path.basename(first["checkpoint"]) == f"step={stopped_at:09d}"
+    assert [e["reason"] for e in first["events"] if e["event"] == "preempted"] == ["SIGTERM"]
+
+    rerun = Run(tmp_path, "preempt", overrides)
+    assert rerun.finish() == 0, rerun.output()[-5000:]
+    s = rerun.summary()
+    assert s["status"] == "finished"
+    assert [e["step"] for e in s["events"] if e["event"] == "resume"] == [stopped_at]
+    _assert_every_epoch_once(s)
