@@ -5,6 +5,10 @@ Train, which merges the ranks' files into one folder (``step=000001200``) and re
 it only once every rank has reported: a save killed halfway is never the latest
 checkpoint. Rank 0 adds ``trainer_state.json`` (step, epoch, batch plan, history) and
 ``samples.npz`` (the epoch's sample bitmap); each rank adds its RNG state.
+
+Restore at the saved world size loads the files as they are. A ZeRO 1-3 checkpoint
+restored at another world size is first converted to a DeepSpeed universal checkpoint
+in a temp dir (the checkpoint is never modified) and loaded resharded.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ class ScalingConfig:
     """strict: every world size in min..max must split data.global_batch_size (a config
     error lists those that do); adjust: a world size that cannot gets the nearest global
     batch it can split, with the learning rate scaled linearly (logged as an event)."""
-    max_failures: int = 3
+    max_failures: int = 10
     """Worker/node failures to recover from (Ray's FailureConfig); -1 = no limit.
     Preemptions (node drains) are not counted against it."""
     resize_interval_s: float = 10.0
@@ -288,6 +288,11 @@ def validate(cfg: TrainConfig) -> None:
     if t.max_steps == 0 and t.max_epochs == 0:
         raise ConfigError(
             "trainer.max_steps=0 and trainer.max_epochs=0 would never stop: set one of them > 0"
+        )
+    if o.schedule == "cosine" and t.max_steps == 0:
+        raise ConfigError(
+            "optim.schedule=cosine decays over trainer.max_steps, which is 0: "
+            "set trainer.max_steps (the cosine's length) or optim.schedule=constant"
         )
     _positive("trainer.log_every_steps", t.log_every_steps)
     _positive("trainer.val_every_steps", t.val_every_steps, allow_zero=True)

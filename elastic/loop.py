@@ -7,6 +7,7 @@ Top to bottom: world size -> batch plan -> model + DeepSpeed -> resume -> for ea
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 import warnings
@@ -44,21 +45,34 @@ def train_loop(config: dict[str, Any]) -> None:
         cfg.scaling.batch_policy, cfg.data.global_batch_size, world, cfg.data.micro_batch_size
     )
 
-    init_distributed(cfg.scaling.use_gpu)
-    _seed_everything(cfg.trainer.seed)
-    model = cfg.model.build()
-    state = ckpt.TrainerState()
-    resume_from = ray.train.get_checkpoint()
-    resharded = False
-    if resume_from is None:
-        engine = build_engine(cfg, plan, model)
-    else:
-        with resume_from.as_directory() as path:
-            state = ckpt.read_state(path)
-            resharded = ckpt.needs_reshard(state, world, cfg.strategy.zero_stage)
-            engine = build_engine(cfg, plan, model, load_universal=resharded)
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        resume_from = ray.train.get_checkpoint()
+        path = stack.enter_context(resume_from.as_directory()) if resume_from else None
+        state = ckpt.read_state(path) if path else ckpt.TrainerState()
+        # Ray Data starts its pipeline now, while DeepSpeed initialises and restores
+        max_epochs = cfg.trainer.max_epochs
+        prefetcher = EpochPrefetcher(
+            ray.train.get_dataset_shard("train"),
+            int(cfg.data.prefetch_mb * 1024 * 1024),
+            epochs=max_epochs - state.epoch if max_epochs else None,
+            cache=config["cache_train"],
+        )
+        marks = {"data_s": time.perf_counter()}
+        init_distributed(cfg.scaling.use_gpu)
+        marks["distributed_s"] = time.perf_counter()
+        _seed_everything(cfg.trainer.seed)
+        model = cfg.model.build()
+        resharded = path is not None and ckpt.needs_reshard(state, world, cfg.strategy.zero_stage)
+        engine = build_engine(cfg, plan, model, load_universal=resharded)
+        marks["engine_s"] = time.perf_counter()
+        if path is not None:
             ckpt.restore(engine, path, rank, universal=resharded)
-        set_base_lr(engine, cfg.optim.lr * plan.lr_scale)
+            set_base_lr(engine, cfg.optim.lr * plan.lr_scale)
+        marks["restore_s"] = time.perf_counter()
+    # seconds each part of this start took, in order
+    starts = [started, *marks.values()]
+    startup = {k: t - starts[i] for i, (k, t) in enumerate(marks.items())}
     tracker = make_tracker(
         rank,
         cfg=cfg.logger,
@@ -81,8 +95,9 @@ def train_loop(config: dict[str, Any]) -> None:
     trainer = _Trainer(
         cfg, engine, plan, state, tracker, rank, world, control, config["train_rows"]
     )
+    trainer.startup = {"since": started, **startup}
     val_shard = ray.train.get_dataset_shard("val") if cfg.data.val_path else None
-    trainer.train(ray.train.get_dataset_shard("train"), val_shard, cache=config["cache_train"])
+    trainer.train(prefetcher, val_shard)
     # a preempted run checkpoints and goes: validation would eat into the grace period
     val = {} if trainer.stop_reason == "preempted" else trainer.validate(val_shard)
     trainer.finish(val)
@@ -161,6 +176,7 @@ class _Trainer:
         self._stop_requested = self._drain_pending = self._drain_saved = False
         self.stop_reason: str | None = None  # "stopped" (trainer.stop_at_step), "preempted"
         self.train_rows = train_rows  # samples in one epoch of the train split
+        self.startup: dict[str, float] = {}
         self.task = cfg.model.task
         self.device = engine.device
         self.dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
@@ -184,16 +200,9 @@ class _Trainer:
         )
 
     # -- training ---------------------------------------------------------------------
-    def train(self, shard: Any, val_shard: Any = None, cache: bool = False) -> None:
+    def train(self, prefetcher: EpochPrefetcher, val_shard: Any = None) -> None:
         self.engine.train()
         self.session_start = self.train_start = time.perf_counter()
-        max_epochs = self.cfg.trainer.max_epochs
-        prefetcher = EpochPrefetcher(
-            shard,
-            int(self.cfg.data.prefetch_mb * 1024 * 1024),
-            epochs=max_epochs - self.state.epoch if max_epochs else None,
-            cache=cache,
-        )
         while not self._done():
             stream = self._epoch_stream(prefetcher)
             epoch_finished = True
@@ -211,6 +220,7 @@ class _Trainer:
                     # throughput counts from the end of the first step: the pipeline's
                     # start-up (first batch) is in data_wait, not in samples/s
                     self.steady_start, self.steady_samples = time.perf_counter(), 0
+                    self._note_startup()
                 else:
                     self.steady_samples += batch.global_rows
                 if self._done():
@@ -221,6 +231,18 @@ class _Trainer:
         prefetcher.close()
         self.train_end = time.perf_counter()
         self._fold_times()
+
+    def _note_startup(self) -> None:
+        """Where this worker group's start went (restarts are what elastic waits on)."""
+        if self.startup:
+            parts = {k: round(v, 3) for k, v in self.startup.items() if k != "since"}
+            self.tracker.event(
+                self.state.step,
+                "startup",
+                world_size=self.world,
+                **parts,
+                first_step_s=round(time.perf_counter() - self.startup["since"], 3),
+            )
 
     def _epoch_stream(self, prefetcher: EpochPrefetcher) -> StepStream:
         # Resume mid-epoch: skip what the checkpoint's bitmap says the epoch has trained.

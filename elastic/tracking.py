@@ -14,6 +14,7 @@ from typing import Any
 
 from elastic.config import LoggerConfig
 
+STEP_KEY = "trainer/step"
 HISTORY_FILE = "metrics.jsonl"
 
 
@@ -68,6 +69,12 @@ class Tracker(NullTracker):
         if cfg.kind == "wandb":
             import wandb
 
+            # one W&B run for the whole run, also across a restart before any checkpoint
+            id_file = os.path.join(run_dir, "wandb_run_id")
+            if run_id is None and os.path.exists(id_file):
+                with open(id_file) as f:
+                    run_id = f.read().strip() or None
+
             self._wandb = wandb.init(
                 project=os.environ.get("WANDB_PROJECT", cfg.project),
                 entity=os.environ.get("WANDB_ENTITY", cfg.entity),
@@ -81,17 +88,30 @@ class Tracker(NullTracker):
                 settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
             )
             self.run_id = self._wandb.id
+            with open(id_file, "w") as f:
+                f.write(self.run_id)
             self.wandb_dir = os.path.dirname(self._wandb.dir)
+            # Our own step axis: after a failure the run goes back to its last checkpoint
+            # and logs those steps again; W&B drops a `step=` that goes backwards.
+            self._wandb.define_metric(STEP_KEY)
+            self._wandb.define_metric("*", step_metric=STEP_KEY)
 
     def log(self, step: int, metrics: dict[str, Any], console: str | None = None) -> None:
         self._write({"step": step, "time": time.time(), **metrics})
         if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
+            self._wandb.log({**metrics, STEP_KEY: step})
         if console:
             print(console, flush=True)
 
     def event(self, step: int, kind: str, **info: Any) -> None:
         self._write({"step": step, "time": time.time(), "event": kind, **info})
+        if self._wandb is not None:  # numbers chart; the full record is in metrics.jsonl
+            numbers = {
+                f"event/{kind}/{k}": v
+                for k, v in info.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)
+            }
+            self._wandb.log({f"event/{kind}": 1, **numbers, STEP_KEY: step})
         detail = " ".join(f"{k}={v}" for k, v in info.items())
         print(f"[elastic] {kind} at step {step}: {detail}", flush=True)
 

@@ -1,6 +1,8 @@
 """Benchmarks, each measured side by side with its peer in one run, reported as a ratio.
 
     python launch/bench.py overhead [--rounds 3] [--steps 220] [--zero-stage 0]
+    python launch/bench.py recovery [--rounds 1]
+    python launch/bench.py chaos [--seed 0]
 
 overhead: steady-state step time of the smoke experiment through ``elastic`` (Ray Train
 + DeepSpeed + streamed Parquet) vs plain ``torchrun --nproc-per-node 2`` DDP on the same
@@ -14,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -151,6 +154,268 @@ def overhead(args: argparse.Namespace) -> dict:
     return report
 
 
+# -- recovery and chaos: a real multi-raylet cluster on this machine -------------------
+
+ELASTIC_MODEL = [  # big enough that a step is real work, small enough for 2 cores
+    "model.input_dim=64",
+    "model.output_dim=4",
+    "model.hidden_dims=[1024,1024]",
+    "data.global_batch_size=64",
+    "trainer.log_every_steps=1",
+    "checkpoint.every_steps=5",
+    "logger=none",
+    "scaling.min_workers=1",
+    "scaling.max_workers=2",
+    "scaling.cpus_per_worker=3",  # = a worker node's CPUs: one training worker per node
+]
+RAY_DEFAULT_KNOBS = [  # Ray Train 2.60's own values of the knobs elastic tunes
+    "scaling.start_timeout_s=60",
+    "scaling.health_check_interval_s=2",
+    "scaling.worker_health_check_timeout_s=600",
+    "scaling.resize_interval_s=60",
+    "scaling.node_refresh_s=20",
+    "scaling.drain_poll_interval_s=5",
+]
+
+
+def _elastic_data(workdir: str, seed: int = 1) -> list[str]:
+    from elastic.synthetic import generate
+
+    root = os.path.join(workdir, "data")
+    if not os.path.isdir(root):
+        generate(f"{root}/train", f"{root}/val", 2048, 256, 8, 64, 4, seed=seed)
+    return [f"data.path={root}/train", f"data.val_path={root}/val"]
+
+
+def _wait_step(run, since: float, world: int | None = None, timeout: float = 300) -> float:
+    """Time of the first training step logged after ``since`` (at ``world`` workers)."""
+
+    def first() -> float | None:
+        for r in run.records():
+            ok = world is None or r.get("train/world_size") == world
+            if "train/loss" in r and r["time"] > since and ok:
+                return r["time"]
+        return None
+
+    return run.wait_for(f"a step at world size {world or 'any'}", first, timeout=timeout)
+
+
+def _wait_checkpoint(run, timeout: float = 300) -> None:
+    """Until Ray has registered a checkpoint newer than the step trained now."""
+    now = run.last_step()
+    run.wait_for("a checkpoint", lambda: any(s > now for s in run.registered_steps()), timeout)
+
+
+def _recovery_round(workdir: str, knobs: list[str], label: str) -> dict:
+    from elastic.localcluster import RayCluster, Run
+
+    overrides = [
+        "+experiment=smoke",
+        *ELASTIC_MODEL,
+        "trainer.max_steps=0",
+        "trainer.max_epochs=1000",
+        *_elastic_data(workdir),
+        *knobs,
+    ]
+    cluster = RayCluster(2)
+    run = Run(Path(workdir), f"recovery-{label}-{time.time_ns()}", overrides, cluster.address)
+    out: dict = {}
+    try:
+        run.wait_for("a checkpoint", lambda: run.registered_steps())
+        t = time.time()
+        os.kill(cluster.train_worker_pids()[0], signal.SIGKILL)
+        out["worker_kill_s"] = _wait_step(run, t) - t
+
+        _wait_checkpoint(run)
+        t = time.time()
+        cluster.remove_node(cluster.nodes[0])
+        out["shrink_s"] = _wait_step(run, t, world=1) - t
+
+        _wait_checkpoint(run)
+        t = time.time()
+        cluster.add_node()
+        out["grow_s"] = _wait_step(run, t, world=2) - t
+        run.signal(signal.SIGTERM)  # checkpoint and stop: the benchmark has what it needs
+        run.finish()
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+        cluster.shutdown()
+    print(f"{label}: " + ", ".join(f"{k} {v:.1f}" for k, v in out.items()), flush=True)
+    return out
+
+
+def _checkpoint_share(workdir: str) -> dict:
+    """Checkpoint share of wall time of the smoke run at the default interval."""
+    name = f"ckpt-{time.time_ns()}"
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch/run.py"),
+            "+experiment=smoke",
+            "logger=none",
+            f"run.storage_path={workdir}",
+            f"run.name={name}",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    summary = json.loads(Path(_summary_path(workdir, name)).read_text())
+    return {
+        "checkpoint_overhead": summary["time_breakdown"]["checkpoint"],
+        "checkpoint_every_steps": 50,
+        "steps": summary["steps"],
+    }
+
+
+def _summary_path(workdir: str, name: str) -> str:
+    import glob
+
+    return sorted(glob.glob(os.path.join(workdir, name, "hydra", "*", "summary.json")))[-1]
+
+
+def recovery(args: argparse.Namespace) -> dict:
+    workdir = tempfile.mkdtemp(prefix="elastic-bench-")
+    rounds = []
+    try:
+        for r in range(args.rounds):
+            order = [("elastic", []), ("ray_defaults", RAY_DEFAULT_KNOBS)]
+            if r % 2:
+                order.reverse()
+            rounds.append({label: _recovery_round(workdir, knobs, label) for label, knobs in order})
+        ckpt = _checkpoint_share(workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    keys = ("shrink_s", "grow_s", "worker_kill_s")
+    med = {
+        who: {k: statistics.median(r[who][k] for r in rounds) for k in keys}
+        for who in ("elastic", "ray_defaults")
+    }
+    report = {
+        **{k: med["elastic"][k] for k in keys},
+        **{f"{k}_ray_defaults": med["ray_defaults"][k] for k in keys},
+        **{f"{k}_ratio": med["elastic"][k] / med["ray_defaults"][k] for k in keys},
+        **ckpt,
+        "targets": {
+            "shrink_s": 15.0,
+            "grow_s": "resize_interval_s + 10 = 20.0",
+            "checkpoint_overhead": 0.02,
+        },
+        "rounds": rounds,
+        "setup": {
+            "cluster": "ray.cluster_utils.Cluster: head (2 CPUs) + 2 worker nodes (3 CPUs, "
+            "one training worker each); GCS health check 1 s x 3",
+            "model": ELASTIC_MODEL,
+            "ray_default_knobs": RAY_DEFAULT_KNOBS,
+            "cpus": os.cpu_count(),
+        },
+    }
+    print(
+        "recovery (elastic vs Ray defaults): "
+        + ", ".join(
+            f"{k} {med['elastic'][k]:.1f} s vs {med['ray_defaults'][k]:.1f} s" for k in keys
+        )
+        + f"; checkpoint overhead {100 * ckpt['checkpoint_overhead']:.2f}% of wall time"
+    )
+    return report
+
+
+def chaos(args: argparse.Namespace) -> dict:
+    """10 worker kills, 2 node removals, 2 node additions, in a seeded random order, each
+    once the run has checkpointed past the previous one's restart."""
+    import random
+
+    rng = random.Random(args.seed)
+    actions = ["kill"] * 10 + ["remove"] * 2 + ["add"] * 2
+    while True:  # never fewer than one worker node, never more than two
+        rng.shuffle(actions)
+        nodes, ok = 2, True
+        for a in actions:
+            nodes += {"remove": -1, "add": 1}.get(a, 0)
+            ok = ok and 1 <= nodes <= 2
+        if ok:
+            break
+    workdir = tempfile.mkdtemp(prefix="elastic-bench-")
+    overrides = [
+        "+experiment=smoke",
+        *ELASTIC_MODEL,
+        # a cosine decay to 0 over the run: the final loss then reflects the training,
+        # not the last steps' noise (which differs with the batch order resizes bring)
+        f"trainer.max_steps={args.epochs * 2048 // 64}",  # the data's rows / global batch
+        "trainer.max_epochs=0",
+        "optim.schedule=cosine",
+        "optim.warmup_steps=20",
+        "scaling.max_failures=-1",  # 14 failures on purpose
+        *_elastic_data(workdir),
+    ]
+    try:
+        results = {
+            label: _chaos_run(workdir, label, overrides, todo, rng)
+            for label, todo in (("chaos", actions), ("clean", []))
+        }
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    chaotic, clean = results["chaos"], results["clean"]
+    val_gap = abs(chaotic["val_loss"] - clean["val_loss"]) / clean["val_loss"]
+    train_gap = abs(chaotic["loss_last"] - clean["loss_last"]) / clean["loss_last"]
+    report = {
+        "finished": chaotic["status"] == "finished" and chaotic["exit_code"] == 0,
+        "samples_exactly_once": chaotic["samples_exactly_once"],
+        "val_loss_gap": val_gap,
+        "train_loss_gap": train_gap,
+        "target_loss_gap": 0.02,
+        "actions": {a: actions.count(a) for a in ("kill", "remove", "add")},
+        "runs": results,
+        "setup": {"model": ELASTIC_MODEL, "epochs": args.epochs, "seed": args.seed},
+    }
+    print(
+        f"chaos: finished={report['finished']} exactly_once={report['samples_exactly_once']} "
+        f"val loss {chaotic['val_loss']:.5f} vs clean {clean['val_loss']:.5f} "
+        f"(gap {100 * val_gap:.2f}%), last train loss gap {100 * train_gap:.2f}%, "
+        f"wall {chaotic['wall_s']:.0f} s vs {clean['wall_s']:.0f} s"
+    )
+    return report
+
+
+def _chaos_run(workdir: str, label: str, overrides: list[str], actions: list[str], rng) -> dict:
+    from elastic.localcluster import RayCluster, Run
+
+    cluster = RayCluster(2)
+    run = Run(Path(workdir), label, overrides, cluster.address)
+    done = []
+    try:
+        for action in actions:
+            _wait_checkpoint(run)
+            if action == "kill":
+                pids = run.wait_for("training workers", cluster.train_worker_pids)
+                os.kill(rng.choice(pids), signal.SIGKILL)
+            elif action == "remove":
+                cluster.remove_node(rng.choice(cluster.nodes))
+            else:
+                cluster.add_node()
+            done.append((action, run.last_step()))
+            print(f"chaos: {action} at step {run.last_step()}", flush=True)
+            _wait_step(run, time.time())  # the next action only once it trains again
+        rc = run.finish(timeout=1800)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+        cluster.shutdown()
+    summary = run.summary()
+    return {
+        "exit_code": rc,
+        "status": summary["status"],
+        "samples_exactly_once": summary["samples_exactly_once"],
+        "world_sizes": summary["world_sizes"],
+        "loss_last": summary["loss_last"],
+        "val_loss": summary["val"]["loss"],
+        "wall_s": summary["wall_s"],
+        "actions": done,
+        "restarts": [e for e in summary["events"] if e["event"] == "restart"],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="bench", required=True)
@@ -164,8 +429,13 @@ def main() -> None:
         help="0 is DeepSpeed's plain data parallelism: like for like with DDP",
     )
     o.add_argument("overrides", nargs="*", help="extra config overrides for the elastic run")
+    r = sub.add_parser("recovery", help="shrink/grow/worker-kill recovery vs Ray defaults")
+    r.add_argument("--rounds", type=int, default=1)
+    c = sub.add_parser("chaos", help="random kills, removals and additions vs a clean run")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--epochs", type=int, default=20)
     args = p.parse_args()
-    report = {"overhead": overhead}[args.bench](args)
+    report = {"overhead": overhead, "recovery": recovery, "chaos": chaos}[args.bench](args)
     out = Path(f"bench-{args.bench}.json")
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out.resolve()}")

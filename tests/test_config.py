@@ -90,6 +90,13 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([*real, f"data.path={no_target}", "data.val_path=null"], "no column 'y'"),
         ([*real, f"data.path={corrupt}", "data.val_path=null"], "not a readable Parquet"),
         (["strategy.precision=fp8"], "strategy.precision"),
+        (["scaling.batch_policy=nearest"], "scaling.batch_policy"),
+        (["scaling.max_failures=-2"], "scaling.max_failures=-2"),
+        (["scaling.start_timeout_s=0"], "scaling.start_timeout_s=0"),
+        (
+            ["optim.schedule=cosine", "trainer.max_steps=0", "trainer.max_epochs=1"],
+            "optim.schedule=cosine",
+        ),
     ]
 
 
@@ -139,3 +146,52 @@ def test_cli_exits_2_before_ray_starts(tmp_path):
     ]
     assert "Ray" not in proc.stdout + proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_strict_batch_policy_lists_the_world_sizes_that_work(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        preflight(
+            [
+                "+experiment=smoke",
+                f"run.storage_path={tmp_path}",
+                "scaling.min_workers=1",
+                "scaling.max_workers=4",
+                "data.global_batch_size=128",
+            ]
+        )
+    err = capsys.readouterr().err.strip()
+    assert "world size 3 of 1..4 (it does at 1, 2, 4)" in err, err
+    assert "scaling.batch_policy=adjust" in err
+
+
+def test_adjust_batch_policy_accepts_any_world_size(tmp_path):
+    from elastic.batch import BatchPlan
+
+    cfg, name = compose(
+        [
+            "+experiment=smoke",
+            f"run.storage_path={tmp_path}",
+            "scaling.min_workers=1",
+            "scaling.max_workers=4",
+            "scaling.batch_policy=adjust",
+        ]
+    )
+    t = typed_config(cfg, name)
+    plans = {w: BatchPlan.for_policy("adjust", 128, w) for w in range(1, 5)}
+    assert {w: p.global_batch_size for w, p in plans.items()} == {1: 128, 2: 128, 3: 129, 4: 128}
+    assert plans[3].lr_scale == 129 / 128 and not plans[2].adjusted
+    assert t.scaling.batch_policy == "adjust"
+
+
+def test_recovery_knobs_become_ray_train_environment(tmp_path):
+    cfg, name = compose(
+        [
+            "+experiment=smoke",
+            f"run.storage_path={tmp_path}",
+            "scaling.start_timeout_s=7",
+            "scaling.health_check_interval_s=0.5",
+        ]
+    )
+    env = typed_config(cfg, name).scaling.ray_env()
+    assert env["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] == "7.0"
+    assert env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "0.5"

@@ -130,11 +130,14 @@ def test_wandb_offline_run_holds_the_logged_metrics(small_data, tmp_path):
         "val/r2",
     ):
         assert key in keys, key
-    steps = [r["_step"] for r in rows if "train/loss" in r]
+    # our step axis (W&B's own _step only grows; a restart logs steps again)
+    steps = [r["trainer/step"] for r in rows if "train/loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6]
     # validation mid-run (every 4 steps) and at the end
-    assert [r["_step"] for r in rows if "val/loss" in r] == [4, 6]
-    logged = {r["_step"]: r["train/loss"] for r in rows if "train/loss" in r}
+    assert [r["trainer/step"] for r in rows if "val/loss" in r] == [4, 6]
+    # the run's start is an event there too
+    assert [r["event/world_size/world_size"] for r in rows if "event/world_size" in r] == [2]
+    logged = {r["trainer/step"]: r["train/loss"] for r in rows if "train/loss" in r}
     assert logged == _losses(os.path.join(tmp_path, "tracked"))
 
 
@@ -154,3 +157,28 @@ def test_cached_epochs_train_exactly_as_streamed_ones(small_data, tmp_path):
     cached, streamed = _losses(tmp_path / "cached"), _losses(tmp_path / "streamed")
     assert len(cached) == runs["cached"]["steps"] >= 3 * 16
     assert cached == streamed
+
+
+def test_adjust_policy_keeps_training_where_the_batch_does_not_split(small_data, tmp_path):
+    """3 workers cannot split a global batch of 64: scaling.batch_policy=adjust trains
+    with 63 and a learning rate scaled by 63/64, and says so in the events."""
+    summary = train(
+        small_overrides(
+            small_data,
+            tmp_path,
+            "scaling.min_workers=3",
+            "scaling.max_workers=3",
+            "scaling.batch_policy=adjust",
+            "trainer.max_steps=4",
+            "logger=none",
+            "run.name=adjust",
+        )
+    )
+    assert summary["status"] == "finished" and summary["world_sizes"] == [3]
+    [event] = [e for e in summary["events"] if e["event"] == "batch_policy"]
+    assert (event["requested_global_batch_size"], event["global_batch_size"]) == (64, 63)
+    assert event["lr_scale"] == 63 / 64
+    assert summary["samples_seen"] == 4 * 63
+    with open(os.path.join(tmp_path, "adjust", "metrics.jsonl")) as f:
+        lrs = {json.loads(line).get("train/lr") for line in f} - {None}
+    assert lrs == {1e-3 * 63 / 64}

@@ -1,4 +1,5 @@
-"""A real multi-raylet Ray cluster on this machine, and a training run driven against it.
+"""A real multi-raylet Ray cluster on this machine, and a training run driven against it
+(for the elastic tests and the recovery/chaos benchmarks).
 
 ``ray.cluster_utils.Cluster`` starts a head and worker nodes as separate raylets (each
 with its own processes); removing a node SIGKILLs its raylet and everything under it,
@@ -22,7 +23,7 @@ from typing import Any
 
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent  # a source checkout: launch/run.py
 NODE_CPUS = 3  # per worker node: one training worker each
 FAST_HEALTH = {  # notice a dead node within seconds (see shared notes on Slurm)
     "health_check_period_ms": 1000,
@@ -32,7 +33,7 @@ FAST_HEALTH = {  # notice a dead node within seconds (see shared notes on Slurm)
 
 
 class RayCluster:
-    def __init__(self, worker_nodes: int) -> None:
+    def __init__(self, worker_nodes: int, system_config: dict[str, Any] | None = None) -> None:
         from ray.cluster_utils import Cluster
 
         self.cluster = Cluster(
@@ -41,17 +42,21 @@ class RayCluster:
                 "num_cpus": 2,
                 "object_store_memory": 256 * 1024 * 1024,
                 "include_dashboard": False,
-                "_system_config": FAST_HEALTH,
+                "_system_config": FAST_HEALTH if system_config is None else system_config,
             },
         )
-        self.nodes = [self.add_node() for _ in range(worker_nodes)]
+        self.nodes: list[Any] = []
+        for _ in range(worker_nodes):
+            self.add_node()
 
     @property
     def address(self) -> str:
         return self.cluster.address
 
     def add_node(self) -> Any:
+        """A worker node joins (one training worker's worth of CPUs)."""
         node = self.cluster.add_node(num_cpus=NODE_CPUS, object_store_memory=128 * 1024 * 1024)
+        self.nodes.append(node)
         return node
 
     def remove_node(self, node: Any) -> None:
