@@ -23,7 +23,7 @@ from elastic.batch import BatchPlan
 from elastic.config import TrainConfig
 from elastic.control import StopPoller, node_drain_pending
 from elastic.data import EpochPrefetcher, StepBatch, StepStream, shard_blocks
-from elastic.engine import build_engine, init_distributed, set_base_lr
+from elastic.engine import build_engine, init_distributed, set_base_lr, warm_imports
 from elastic.models import MetricSums, per_sample_loss
 from elastic.tracking import NullTracker, make_tracker
 
@@ -46,6 +46,7 @@ def train_loop(config: dict[str, Any]) -> None:
     )
 
     started = time.perf_counter()
+    warm_imports()
     with contextlib.ExitStack() as stack:
         resume_from = ray.train.get_checkpoint()
         path = stack.enter_context(resume_from.as_directory()) if resume_from else None
