@@ -2,12 +2,22 @@
 
     python launch/bench.py overhead [--rounds 3] [--steps 220] [--zero-stage 0]
     python launch/bench.py recovery [--rounds 1]
-    python launch/bench.py chaos [--seed 0]
+    python launch/bench.py chaos [--seed 0] [--epochs 20]
 
 overhead: steady-state step time of the smoke experiment through ``elastic`` (Ray Train
 + DeepSpeed + streamed Parquet) vs plain ``torchrun --nproc-per-node 2`` DDP on the same
 model and the same data held in memory. Rounds alternate which goes first; the ratio is
 of the medians. Writes bench-overhead.json.
+
+recovery: on a local multi-raylet cluster (a head and 2 one-worker nodes), seconds from
+a worker SIGKILL / a node kill / a node joining to the first training step after it,
+with elastic's recovery defaults and, as the peer, with Ray Train's own defaults; and
+the checkpoint share of the smoke run's wall time at the default interval. Writes
+bench-recovery.json.
+
+chaos: one run with 10 random worker kills, 2 node removals and 2 node additions, beside
+a clean run with the same seed; exactly-once samples and the final validation loss.
+Writes bench-chaos.json.
 """
 
 from __future__ import annotations
