@@ -72,8 +72,8 @@ def train_loop(config: dict[str, Any]) -> None:
             set_base_lr(engine, cfg.optim.lr * plan.lr_scale)
         marks["restore_s"] = time.perf_counter()
     # seconds each part of this start took, in order
-    starts = [started, *marks.values()]
-    startup = {k: t - starts[i] for i, (k, t) in enumerate(marks.items())}
+    edges = [started, *marks.values()]
+    startup = {k: t - edges[i] for i, (k, t) in enumerate(marks.items())}
     tracker = make_tracker(
         rank,
         cfg=cfg.logger,
