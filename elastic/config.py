@@ -106,7 +106,6 @@ class ScalingConfig:
     """Controller polls of the workers (Ray default 2)."""
     worker_health_check_timeout_s: float = 60.0
     """A worker whose health check hangs this long is dead (Ray default 600)."""
-
     node_refresh_s: float = 2.0
     """How often the node view Ray Train sizes elastic groups from is refreshed (Ray Data's
     autoscaling coordinator; Ray default 20): a dead node stops being asked for, and a
@@ -264,11 +263,11 @@ def validate(cfg: TrainConfig) -> None:
         "resize_interval_s",
         "start_timeout_s",
         "health_check_interval_s",
+        "worker_health_check_timeout_s",
         "drain_poll_interval_s",
         "node_refresh_s",
     ):
         _positive(f"scaling.{key}", getattr(sc, key))
-    _positive("scaling.worker_health_check_timeout_s", sc.worker_health_check_timeout_s)
     sizes = range(sc.min_workers, sc.max_workers + 1)
     ok = valid_world_sizes(cfg)
     bad = [w for w in sizes if w not in ok]

@@ -10,6 +10,7 @@ even when no checkpoint recorded the previous one.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 POLL_INTERVAL_S = 0.5
@@ -69,14 +70,15 @@ class StopPoller:
         return self.reason
 
 
-def node_drain_pending() -> bool:
-    """Ray Train marks this worker when a node of the group is being drained (preempted).
-
-    The local mark, read without Ray Train's barrier (``ray.train.get_preemption_info``
+def node_drain_probe() -> Callable[[], bool]:
+    """Whether a node of this worker group is being drained (preempted), as a cheap
+    per-step check. Ray Train marks every worker's context when that happens; the probe
+    reads the local mark without Ray Train's barrier (``ray.train.get_preemption_info``
     waits for every rank); the loop's own per-step all-reduce makes the answer common."""
     try:
         from ray.train.v2._internal.execution.context import get_train_context
 
-        return get_train_context().preemption_context.preemption_info is not None
+        preemption = get_train_context().preemption_context
     except Exception:  # not inside a Ray Train V2 worker, or the internals moved
-        return False
+        return lambda: False
+    return lambda: preemption.preemption_info is not None

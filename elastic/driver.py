@@ -14,6 +14,7 @@ from typing import Any
 from elastic.config import TrainConfig
 from elastic.control import start_control
 from elastic.data import Split, build_datasets, check_dataset, data_config, fits_cache
+from elastic.tracking import HISTORY_FILE
 
 
 def prepare_data(cfg: TrainConfig) -> dict[str, Split]:
@@ -190,7 +191,7 @@ def read_events(run_dir: str) -> list[dict[str, Any]]:
     """Every event rank 0 has recorded for the run (all sessions, all worker groups): the
     run's history file is appended to and flushed per record, so it also holds what
     happened after the last checkpoint of a group that then failed."""
-    path = os.path.join(run_dir, "metrics.jsonl")
+    path = os.path.join(run_dir, HISTORY_FILE)
     if not os.path.exists(path):
         return []
     with open(path) as f:

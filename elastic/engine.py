@@ -36,9 +36,13 @@ def deepspeed_config(
     return ds
 
 
-def _optimizer(cfg: TrainConfig, params: Any, lr_scale: float = 1.0) -> torch.optim.Optimizer:
+def base_lr(cfg: TrainConfig, plan: BatchPlan) -> float:
+    """optim.lr, scaled linearly when the batch policy adjusted the global batch."""
+    return cfg.optim.lr * plan.lr_scale
+
+
+def _optimizer(cfg: TrainConfig, params: Any, lr: float) -> torch.optim.Optimizer:
     o = cfg.optim
-    lr = o.lr * lr_scale
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=o.weight_decay)
     cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
@@ -68,7 +72,7 @@ def _skip_shm_comm_op() -> None:
         ds_torch.build_shm_op = lambda: None
 
 
-def warm_imports() -> threading.Thread:
+def warm_imports() -> None:
     """Import, in the background, what building the engine would import on the spot:
     torch's compiler stack (the optimizer constructor pulls it in) and DeepSpeed's Muon
     module (its optimizer check does), ~2.8 s on a fresh worker. A (re)starting worker
@@ -81,9 +85,7 @@ def warm_imports() -> threading.Thread:
         except Exception:  # only a head start: the real import reports any problem
             pass
 
-    thread = threading.Thread(target=run, name="elastic-warm-imports", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=run, name="elastic-warm-imports", daemon=True).start()
 
 
 def init_distributed(use_gpu: bool) -> None:
@@ -101,7 +103,7 @@ def build_engine(
 ) -> Any:
     import deepspeed
 
-    optimizer = _optimizer(cfg, model.parameters(), plan.lr_scale)
+    optimizer = _optimizer(cfg, model.parameters(), base_lr(cfg, plan))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step))
     engine, _, _, _ = deepspeed.initialize(
         model=model,
@@ -112,9 +114,10 @@ def build_engine(
     return engine
 
 
-def set_base_lr(engine: Any, lr: float) -> None:
+def set_base_lr(engine: Any, cfg: TrainConfig, plan: BatchPlan) -> None:
     """After a restore: the learning rate follows the config and the batch plan of this
     start (an adjusted global batch scales it), not the one saved in the checkpoint."""
+    lr = base_lr(cfg, plan)
     scheduler = engine.lr_scheduler
     factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
     scheduler.base_lrs = [lr for _ in scheduler.base_lrs]

@@ -23,6 +23,8 @@ from typing import Any
 
 import psutil
 
+from elastic.tracking import HISTORY_FILE
+
 REPO = Path(__file__).resolve().parent.parent  # a source checkout: launch/run.py
 NODE_CPUS = 3  # per worker node: one training worker each
 FAST_HEALTH = {  # notice a dead node within seconds (see shared notes on Slurm)
@@ -135,7 +137,7 @@ class Run:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def records(self) -> list[dict[str, Any]]:
-        path = self.dir / "metrics.jsonl"
+        path = self.dir / HISTORY_FILE
         if not path.exists():
             return []
         out = []

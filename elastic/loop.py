@@ -21,7 +21,7 @@ import torch.distributed as dist
 from elastic import checkpoint as ckpt
 from elastic.batch import BatchPlan
 from elastic.config import TrainConfig
-from elastic.control import StopPoller, node_drain_pending
+from elastic.control import StopPoller, node_drain_probe
 from elastic.data import EpochPrefetcher, StepBatch, StepStream, shard_blocks
 from elastic.engine import build_engine, init_distributed, set_base_lr, warm_imports
 from elastic.models import MetricSums, per_sample_loss
@@ -69,7 +69,7 @@ def train_loop(config: dict[str, Any]) -> None:
         marks["engine_s"] = time.perf_counter()
         if path is not None:
             ckpt.restore(engine, path, rank, universal=resharded)
-            set_base_lr(engine, cfg.optim.lr * plan.lr_scale)
+            set_base_lr(engine, cfg, plan)
         marks["restore_s"] = time.perf_counter()
     # seconds each part of this start took, in order
     edges = [started, *marks.values()]
@@ -174,6 +174,7 @@ class _Trainer:
         # stop requests (the driver's SIGTERM/SIGUSR1) and node drains, made common to
         # all ranks by the per-step all-reduce
         self._stop_poller = StopPoller(control if rank == 0 else None)
+        self._drain_probe = node_drain_probe()
         self._stop_requested = self._drain_pending = self._drain_saved = False
         self.stop_reason: str | None = None  # "stopped" (trainer.stop_at_step), "preempted"
         self.train_rows = train_rows  # samples in one epoch of the train split
@@ -262,7 +263,7 @@ class _Trainer:
         """The step's row count over all ranks, and (in the same all-reduce) whether any
         rank has seen a stop request or a node drain."""
         stop = self._stop_poller.poll() is not None
-        drain = node_drain_pending()
+        drain = self._drain_probe()
         t = torch.tensor([rows, stop, drain], dtype=torch.int64, device=self._collective_device)
         dist.all_reduce(t)
         self._stop_requested = self._stop_requested or bool(t[1])
@@ -481,7 +482,6 @@ class _Trainer:
             "loss_first": s.loss_first,
             "loss_last": s.loss_last,
             "val": val,
-            "world_sizes": s.world_sizes,
             "samples_per_s": samples_per_s,
             "time_breakdown": shares,
             "wandb_dir": self.tracker.wandb_dir,

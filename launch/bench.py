@@ -257,32 +257,17 @@ def _recovery_round(workdir: str, knobs: list[str], label: str) -> dict:
 
 def _checkpoint_share(workdir: str) -> dict:
     """Checkpoint share of wall time of the smoke run at the default interval."""
-    name = f"ckpt-{time.time_ns()}"
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "launch/run.py"),
-            "+experiment=smoke",
-            "logger=none",
-            f"run.storage_path={workdir}",
-            f"run.name={name}",
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    summary = json.loads(Path(_summary_path(workdir, name)).read_text())
+    from elastic.localcluster import Run
+
+    run = Run(Path(workdir), f"ckpt-{time.time_ns()}", ["+experiment=smoke", "logger=none"])
+    if run.finish() != 0:
+        raise RuntimeError("the smoke run failed:\n" + run.output()[-5000:])
+    summary = run.summary()
     return {
         "checkpoint_overhead": summary["time_breakdown"]["checkpoint"],
-        "checkpoint_every_steps": 50,
+        "checkpoint_every_steps": _smoke_config([]).checkpoint.every_steps,
         "steps": summary["steps"],
     }
-
-
-def _summary_path(workdir: str, name: str) -> str:
-    import glob
-
-    return sorted(glob.glob(os.path.join(workdir, name, "hydra", "*", "summary.json")))[-1]
 
 
 def recovery(args: argparse.Namespace) -> dict:

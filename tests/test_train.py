@@ -13,6 +13,7 @@ import pytest
 from conftest import small_overrides, train
 
 from elastic.checkpoint import read_state
+from elastic.driver import read_events
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -26,11 +27,6 @@ def _losses(run_dir: str) -> dict[int, float]:
             if "train/loss" in rec:
                 out[rec["step"]] = rec["train/loss"]
     return out
-
-
-def _events(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if "event" in r]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -69,7 +65,7 @@ def test_zero_stage_trains_checkpoints_and_resumes_exactly(stage, small_data, tm
     assert resumed["status"] == "finished" and resumed["steps"] == 12
     assert resumed["samples_seen"] == full["samples_seen"] == 12 * 64
     cut_dir = os.path.join(tmp_path, "cut")
-    assert [e["step"] for e in _events(cut_dir) if e["event"] == "resume"] == [5]
+    assert [e["step"] for e in read_events(cut_dir) if e["event"] == "resume"] == [5]
 
     # same world size, CPU fp32: the resumed run continues bit for bit
     expected, got = _losses(os.path.join(tmp_path, "full")), _losses(cut_dir)
