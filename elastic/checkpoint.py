@@ -35,6 +35,24 @@ def step_dir_name(step: int) -> str:
     return f"step={step:09d}"
 
 
+def remove_unregistered(run_dir: str, resumed_step: int) -> list[str]:
+    """Delete checkpoint folders past the step this worker group resumed from.
+
+    Ray Train resumes from the newest checkpoint it registered, so any ``step=N`` folder
+    with N beyond it was left half-written by a group that failed while saving. Ray
+    merges a later save of the same step into that folder; the failed group's extra
+    rank files would then be read as shards of the new one (a resharding restore fails
+    on them). Called on rank 0 before the group's first save."""
+    removed: list[str] = []
+    if not os.path.isdir(run_dir):
+        return removed
+    for name in os.listdir(run_dir):
+        if name.startswith("step=") and name[5:].isdigit() and int(name[5:]) > resumed_step:
+            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
 @dataclass
 class TrainerState:
     """Everything besides model and optimizer that a resumed run needs."""

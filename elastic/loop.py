@@ -92,6 +92,10 @@ def train_loop(config: dict[str, Any]) -> None:
             cause = "grow" if world > before else "shrink" if world < before else "failure"
             tracker.event(state.step, "restart", cause=cause, world_size=world, previous=before)
     _note_start(state, tracker, plan, resumed=resume_from is not None, resharded=resharded)
+    if rank == 0:
+        stale = ckpt.remove_unregistered(config["run_dir"], state.step)
+        if stale:
+            tracker.event(state.step, "stale_checkpoints_removed", names=sorted(stale))
 
     trainer = _Trainer(
         cfg, engine, plan, state, tracker, rank, world, control, config["train_rows"]

@@ -213,3 +213,18 @@ def test_sigterm_to_the_driver_checkpoints_and_the_rerun_resumes(data, tmp_path)
     assert s["status"] == "finished"
     assert [e["step"] for e in s["events"] if e["event"] == "resume"] == [stopped_at]
     _assert_every_epoch_once(s, data)
+
+
+def test_half_written_checkpoints_past_the_resume_point_are_removed(tmp_path):
+    """A group that died while saving step 10 leaves step=000000010 behind; the group that
+    resumes from step 5 removes it before it saves step 10 itself (Ray would merge the
+    new save into the stale folder's files)."""
+    from elastic.checkpoint import remove_unregistered, step_dir_name
+
+    for step in (5, 10, 15):
+        (tmp_path / step_dir_name(step)).mkdir()
+        (tmp_path / step_dir_name(step) / "rng-rank1.pt").write_bytes(b"x")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    removed = remove_unregistered(str(tmp_path), resumed_step=5)
+    assert sorted(removed) == [step_dir_name(10), step_dir_name(15)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", step_dir_name(5)]
