@@ -82,6 +82,9 @@ class StrategyConfig:
     gradient_clipping: float = 0.0
 
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
 @dataclass
 class ScalingConfig:
     min_workers: int = 2
@@ -90,6 +93,10 @@ class ScalingConfig:
     when a node dies and grows when one joins (restarting from the latest checkpoint)."""
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
+    placement_strategy: str = "PACK"
+    """How workers are placed on nodes (Ray placement group strategy): PACK fills a node
+    first, SPREAD puts them on as many nodes as it can (one worker per node on a batch
+    allocation), STRICT_PACK / STRICT_SPREAD insist."""
     batch_policy: str = "strict"
     """strict: every world size in min..max must split data.global_batch_size (a config
     error lists those that do); adjust: a world size that cannot gets the nearest global
@@ -257,6 +264,7 @@ def validate(cfg: TrainConfig) -> None:
     if d.micro_batch_size is not None:
         _positive("data.micro_batch_size", d.micro_batch_size)
     _allowed("scaling.batch_policy", sc.batch_policy, ("strict", "adjust"))
+    _allowed("scaling.placement_strategy", sc.placement_strategy, PLACEMENT_STRATEGIES)
     if sc.max_failures < -1:
         raise ConfigError(f"scaling.max_failures={sc.max_failures}: use -1 (no limit) or >= 0")
     for key in (

@@ -118,6 +118,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
                 num_workers=workers,  # type: ignore[arg-type]  # (min, max) is elastic
                 use_gpu=sc.use_gpu,
                 resources_per_worker={"CPU": sc.cpus_per_worker},
+                placement_strategy=sc.placement_strategy,
                 # Train V2 field (mypy sees the V1 class)
                 elastic_resize_monitor_interval_s=sc.resize_interval_s,  # type: ignore[call-arg]
             ),

@@ -118,23 +118,11 @@ def _descendants(pid: int) -> set[int]:
         return set()
 
 
-class Run:
-    """``python launch/run.py`` in a subprocess, and what it has written so far."""
+class RunFiles:
+    """What a run (``run.storage_path``/``run.name``) has written so far."""
 
-    def __init__(self, storage: Path, name: str, overrides: list[str], address: str = "") -> None:
-        self.dir = storage / name
-        self.log = open(storage / f"{name}.log", "w")  # noqa: SIM115
-        cmd = [
-            sys.executable,
-            str(REPO / "launch/run.py"),
-            *overrides,
-            f"run.storage_path={storage}",
-            f"run.name={name}",
-        ]
-        if address:
-            cmd.append(f"cluster.address={address}")
-        env = {**os.environ, "WANDB_MODE": "offline"}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+    def __init__(self, run_dir: Path) -> None:
+        self.dir = run_dir
 
     def records(self) -> list[dict[str, Any]]:
         path = self.dir / HISTORY_FILE
@@ -164,18 +152,51 @@ class Run:
     def events(self, kind: str) -> list[dict[str, Any]]:
         return [r for r in self.records() if r.get("event") == kind]
 
+    def exited(self) -> int | None:
+        """The exit code once the run is over, else None."""
+        return None
+
+    def output(self) -> str:
+        return ""
+
     def wait_for(self, what: str, predicate: Any, timeout: float = 180.0, poll: float = 0.02):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             value = predicate()
             if value:
                 return value
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"run exited ({self.proc.returncode}) before {what}\n" + self.output()
-                )
+            rc = self.exited()
+            if rc is not None:
+                raise AssertionError(f"run exited ({rc}) before {what}\n" + self.output())
             time.sleep(poll)
         raise AssertionError(f"timed out waiting for {what}\n" + self.output()[-5000:])
+
+    def summary(self) -> dict[str, Any]:
+        paths = sorted(glob.glob(str(self.dir / "hydra" / "*" / "summary.json")))
+        assert paths, "no summary.json\n" + self.output()[-5000:]
+        return json.loads(Path(paths[-1]).read_text())
+
+
+class Run(RunFiles):
+    """``python launch/run.py`` in a subprocess, and what it has written so far."""
+
+    def __init__(self, storage: Path, name: str, overrides: list[str], address: str = "") -> None:
+        super().__init__(storage / name)
+        self.log = open(storage / f"{name}.log", "w")  # noqa: SIM115
+        cmd = [
+            sys.executable,
+            str(REPO / "launch/run.py"),
+            *overrides,
+            f"run.storage_path={storage}",
+            f"run.name={name}",
+        ]
+        if address:
+            cmd.append(f"cluster.address={address}")
+        env = {**os.environ, "WANDB_MODE": "offline"}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def exited(self) -> int | None:
+        return self.proc.poll()
 
     def signal(self, sig: signal.Signals) -> None:
         self.proc.send_signal(sig)
@@ -189,11 +210,6 @@ class Run:
     def output(self) -> str:
         self.log.flush()
         return Path(self.log.name).read_text()
-
-    def summary(self) -> dict[str, Any]:
-        paths = sorted(glob.glob(str(self.dir / "hydra" / "*" / "summary.json")))
-        assert paths, "no summary.json\n" + self.output()[-5000:]
-        return json.loads(Path(paths[-1]).read_text())
 
 
 def saving_pids() -> dict[int, str]:

@@ -1,0 +1,142 @@
+"""The batch-allocation bootstrap without a batch system: node lists and launch commands
+from recorded Slurm and LSF (Summit-style) environments, the job scripts' syntax, and
+the one-line errors. There is no LSF here: the LSF tests run the real node-list and
+``jsrun`` logic against recorded environments, and say so. Slurm itself runs for real
+in tests/test_slurm.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from elastic import bootstrap
+from elastic.localcluster import REPO
+
+SCRIPTS = [
+    REPO / "launch" / "slurm" / "train.sbatch",
+    REPO / "launch" / "slurm" / "join.sbatch",
+    REPO / "launch" / "lsf" / "train.bsub",
+]
+
+
+def summit_env(tmp_path, hosts=("h41n01", "h41n02", "h41n03")) -> dict[str, str]:
+    """What LSF gives a Summit batch script (recorded shape): the launch node batch3
+    first with one slot, then each compute node with 42 slots."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("batch3\n" + "".join(f"{h}\n" * 42 for h in hosts))
+    return {
+        "LSB_JOBID": "812345",
+        "LSB_DJOB_HOSTFILE": str(hostfile),
+        "LSB_MCPU_HOSTS": "batch3 1 " + " ".join(f"{h} 42" for h in hosts),
+        "LS_SUBCWD": str(tmp_path),
+    }
+
+
+def test_lsf_summit_nodes_skip_the_launch_node(tmp_path):
+    """No LSF here: a recorded Summit environment stands in for a real job."""
+    a = bootstrap.allocation(summit_env(tmp_path))
+    assert a.scheduler == "lsf" and a.job_id == "812345"
+    assert a.nodes == ["h41n01", "h41n02", "h41n03"]
+    assert a.submit_dir == str(tmp_path)
+
+
+def test_lsf_nodes_from_mcpu_hosts_when_there_is_no_hostfile(tmp_path):
+    env = summit_env(tmp_path)
+    del env["LSB_DJOB_HOSTFILE"]
+    assert bootstrap.allocation(env).nodes == ["h41n01", "h41n02", "h41n03"]
+    # no launch node listed (every host has the same slots): every host is a node
+    env["LSB_MCPU_HOSTS"] = "h41n01 42 h41n02 42"
+    assert bootstrap.allocation(env).nodes == ["h41n01", "h41n02"]
+    env["LSB_MCPU_HOSTS"] = ""
+    with pytest.raises(bootstrap.BootstrapError, match="LSB_MCPU_HOSTS"):
+        bootstrap.allocation(env)
+
+
+def test_lsf_launch_commands_are_whole_node_jsrun_resource_sets():
+    """No LSF here: the jsrun command line is checked, not run."""
+    cmd = bootstrap.launcher("lsf", 2, ["python", "-m", "elastic.bootstrap", "node"])
+    assert cmd[:1] == ["jsrun"]
+    assert "--nrs=2" in cmd and "--rs_per_host=1" in cmd and "--tasks_per_rs=1" in cmd
+    assert "--cpu_per_rs=ALL_CPUS" in cmd and "--gpu_per_rs=ALL_GPUS" in cmd
+    assert cmd[-4:] == ["python", "-m", "elastic.bootstrap", "node"]
+    assert bootstrap.requeue_cmd("lsf", "812345") == ["brequeue", "812345"]
+
+
+def test_slurm_launch_skips_the_head_node_and_survives_node_loss():
+    cmd = bootstrap.launcher("slurm", 2, ["x"], first=1)
+    assert cmd[0] == "srun" and cmd[-1] == "x"
+    assert {"--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--relative=1", "--no-kill"} <= set(
+        cmd
+    )
+    assert bootstrap.requeue_cmd("slurm", "7") == ["scontrol", "requeue", "7"]
+
+
+def test_outside_an_allocation_the_error_says_what_to_do(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "LSB_"))}
+    out = subprocess.run(
+        [sys.executable, "-m", "elastic.bootstrap", "train", "--", "+experiment=smoke"],
+        env=env, cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no batch allocation found" in lines[0], out.stderr
+    assert not (tmp_path / "jobs").exists()  # nothing created
+
+
+def test_cluster_address_in_the_arguments_is_refused(tmp_path):
+    a = bootstrap.Allocation("slurm", "7", ["n1"], str(tmp_path))
+    with pytest.raises(bootstrap.BootstrapError, match="cluster.address is set by the job"):
+        bootstrap.driver_cmd(["+experiment=smoke", "cluster.address=1.2.3.4:6379"], "", a)
+    cmd = bootstrap.driver_cmd(["+experiment=smoke"], "10.0.0.1:10400", a)
+    assert cmd[-2:] == ["cluster.address=10.0.0.1:10400", "run.name=slurm-7"]
+    # a name the user gave is kept (and a requeue resumes it just the same)
+    cmd = bootstrap.driver_cmd(["+experiment=smoke", "run.name=mine"], "10.0.0.1:10400", a)
+    assert cmd[-1] == "cluster.address=10.0.0.1:10400"
+
+
+def test_job_directory_token_is_private_and_fresh_each_start(tmp_path):
+    jd = bootstrap.JobDir(tmp_path / "jobs" / "7")
+    settings = bootstrap.JobSettings("7", "slurm", ["n1", "n2"], "0-ab")
+    jd.create(settings)
+    first = jd.token.read_text()
+    assert stat.S_IMODE(jd.token.stat().st_mode) == 0o600 and len(first) == 64
+    jd.mark("done")
+    jd.create(settings)  # a requeued job: a new token, the old marks gone
+    assert jd.token.read_text() != first and not jd.marked("done")
+    assert json.loads((jd.path / "job.json").read_text())["nodes"] == ["n1", "n2"]
+    assert bootstrap.job_dir_for("7", str(tmp_path / "jobs")).path == jd.path
+    with pytest.raises(bootstrap.BootstrapError, match="no running elastic job"):
+        bootstrap.job_dir_for("8", str(tmp_path / "jobs"))
+
+
+def test_two_jobs_on_one_node_claim_different_port_blocks():
+    base_a, lock_a = bootstrap.claim_ports("1001", "127.0.0.1")
+    base_b, lock_b = bootstrap.claim_ports("1001", "127.0.0.1")  # same id hashes the same
+    try:
+        assert base_a != base_b
+        assert abs(base_a - base_b) >= bootstrap.PORT_BLOCK
+    finally:
+        lock_a.close()  # type: ignore[attr-defined]
+        lock_b.close()  # type: ignore[attr-defined]
+
+
+def test_temp_dir_is_short_for_ray_sockets(monkeypatch):
+    monkeypatch.setenv("TMPDIR", "/very/long/" + "x" * 80)
+    assert str(bootstrap.temp_dir("123456789", "h41n01")) == "/tmp/ej123456789-h41n01"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_job_scripts_parse_and_pass_shellcheck(script):
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    if shutil.which("shellcheck") is None:
+        if os.environ.get("CI"):
+            pytest.fail("shellcheck is missing: .ci/run installs it")
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+    out = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout

@@ -1,0 +1,244 @@
+"""The batch scripts on a real Slurm 22.05 cluster: a controller and 3 compute nodes, each
+in its own network namespace with its own IP (tests/slurm_cluster.py), brought up for
+this module and always torn down. Jobs are the real ``sbatch launch/slurm/*.sbatch``;
+node failures are real kills and real link cuts. Needs root and Debian's Slurm packages
+(`.ci/run` installs them); elsewhere these tests are skipped, in CI they must run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+from slurm_cluster import ENDED, SlurmCluster, missing_requirements
+
+from elastic.localcluster import REPO, RunFiles
+
+pytestmark = pytest.mark.slurm
+
+ROWS, BATCH = 2048, 48
+ELASTIC = ("scaling.min_workers=2", "scaling.max_workers=3")
+TRAIN = str(REPO / "launch" / "slurm" / "train.sbatch")
+JOIN = str(REPO / "launch" / "slurm" / "join.sbatch")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    why = missing_requirements()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"the Slurm tests must run in CI: {why}")
+        pytest.skip(why)
+    # 4 CPUs a node (more than this machine has: slurmd is told so) so that two jobs
+    # of 2 CPUs a node can share the nodes
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=3, cpus=4)
+    c.up()
+    try:
+        yield c
+    finally:
+        c.down()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from elastic.synthetic import generate
+
+    root = tmp_path_factory.mktemp("slurm-data")
+    generate(str(root / "train"), str(root / "val"), ROWS, 256, 8, 64, 4, seed=2)
+    return root
+
+
+def overrides(data, *extra: str) -> list[str]:
+    return [
+        "+experiment=smoke",
+        f"data.path={data}/train",
+        f"data.val_path={data}/val",
+        "model.input_dim=64",
+        "model.output_dim=4",
+        "model.hidden_dims=[256,256]",
+        f"data.global_batch_size={BATCH}",
+        "trainer.max_steps=0",
+        "trainer.max_epochs=2",
+        "trainer.log_every_steps=1",
+        "checkpoint.every_steps=5",
+        "logger=none",
+        "scaling.placement_strategy=SPREAD",
+        "scaling.resize_interval_s=2",
+        *extra,
+    ]
+
+
+class Job(RunFiles):
+    """A submitted ``sbatch`` job and what its run has written so far."""
+
+    def __init__(self, cluster: SlurmCluster, workdir: Path, *sbatch_args: str):
+        self.cluster, self.workdir = cluster, workdir
+        self.id = cluster.sbatch(
+            "-c", "2", *sbatch_args, cwd=workdir,
+            env={"ELASTIC_BOOTSTRAP_ARGS": "--object-store-mb 200 --wait-s 90"},
+        )  # fmt: skip
+        super().__init__(workdir / "runs" / f"slurm-{self.id}")
+
+    @property
+    def jobdir(self) -> Path:
+        return self.workdir / "jobs" / self.id
+
+    def state(self) -> str:
+        return self.cluster.job_state(self.id)
+
+    def exited(self) -> int | None:
+        state = self.state()
+        return None if state not in ENDED else (0 if state == "COMPLETED" else 1)
+
+    def output(self) -> str:
+        path = self.workdir / f"slurm-{self.id}.out"
+        return path.read_text() if path.exists() else f"(no {path.name} yet)"
+
+    def finish(self, timeout_s: float = 420) -> str:
+        try:
+            return self.cluster.wait_job(self.id, timeout_s)
+        except TimeoutError as e:
+            raise AssertionError(f"{e}\n{self.output()[-6000:]}") from None
+
+    def nodes(self) -> dict[str, dict]:
+        return {p.stem: json.loads(p.read_text()) for p in (self.jobdir / "nodes").glob("*.json")}
+
+
+def assert_every_sample_once(s: dict) -> None:
+    assert s["status"] == "finished"
+    assert s["samples_exactly_once"] is True
+    assert s["epochs_closed"] == [{"epoch": e, "trained": ROWS, "duplicates": 0} for e in range(2)]
+
+
+def test_two_concurrent_jobs_on_three_nodes_and_a_node_without_the_token(slurm, data, tmp_path):
+    """A 3-node job trains at world size 3 while a 2-node job shares two of its nodes:
+    their Ray clusters use different ports and both finish. A Ray node started on the
+    third node without the job's token (or with another token) is refused."""
+    a = Job(slurm, tmp_path, "-N", "3", TRAIN, *overrides(data, *ELASTIC))
+    b_dir = tmp_path / "b"
+    b_dir.mkdir()
+    b = Job(slurm, b_dir, "-N", "2", TRAIN, *overrides(data, "trainer.max_epochs=1"))
+    a.wait_for("job A's nodes", lambda: len(a.nodes()) == 3, timeout=120)
+    b.wait_for("job B's nodes", lambda: len(b.nodes()) == 2, timeout=120)
+    token = (a.jobdir / "token").read_text()
+    assert stat.S_IMODE((a.jobdir / "token").stat().st_mode) == 0o600
+    assert token != (b.jobdir / "token").read_text()
+    shared = set(a.nodes()) & set(b.nodes())
+    assert shared, (a.nodes(), b.nodes())
+    for host in shared:
+        assert a.nodes()[host]["ports"] != b.nodes()[host]["ports"]
+
+    address = json.loads((a.jobdir / "head.json").read_text())["address"]
+    home = tmp_path / "stranger-home"  # no ~/.ray/auth_token to fall back on
+    home.mkdir()
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("0" * 64)
+    wrong.chmod(0o600)
+    for extra in ({}, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(wrong)}):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env.update(HOME=str(home), **extra)
+        temp = f"/tmp/stranger-{os.getpid()}"
+        cmd = ["ray", "start", f"--address={address}", f"--temp-dir={temp}", "--num-cpus=1"]
+        out = subprocess.run(
+            slurm.wrap("n3", cmd), env=env, capture_output=True, text=True, timeout=120
+        )
+        shutil.rmtree(temp, ignore_errors=True)
+        assert out.returncode != 0, out.stdout[-3000:]
+        assert "auth" in (out.stdout + out.stderr).lower(), (out.stdout + out.stderr)[-3000:]
+
+    assert a.finish() == "COMPLETED", a.output()[-6000:]
+    assert b.finish() == "COMPLETED", b.output()[-6000:]
+    sa, sb = a.summary(), b.summary()
+    assert sa["world_sizes"] == [3]
+    assert sb["world_sizes"] == [2]
+    assert_every_sample_once(sa)
+    # the token is in its file and nowhere else: not in logs, outputs or summaries
+    for path in tmp_path.rglob("*"):
+        if path.is_file() and path.name != "token" and path.stat().st_size < 50_000_000:
+            assert token not in path.read_text(errors="replace"), path
+    # both jobs' Ray processes and node-local temp dirs are gone from every node
+    assert _leftovers(slurm) == []
+    assert not [p for j in (a, b) for p in Path("/tmp").glob(f"ej{j.id}-n*")]
+
+
+def _leftovers(slurm: SlurmCluster) -> list[str]:
+    """Processes of elastic jobs still on the nodes: (node, pid, command)."""
+    found = []
+    for node in slurm.names:
+        for pid in slurm.pids(node):
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if b"ELASTIC_RAY_TAG=" in env:
+                found.append(f"{node} {pid} {cmd.decode(errors='replace')[:150]}")
+    return found
+
+
+@pytest.mark.parametrize("failure", ["processes killed", "link down"])
+def test_a_failed_node_shrinks_the_job_which_finishes(slurm, data, tmp_path, failure):
+    """3 nodes, 3 workers; node n3 dies (every process on it SIGKILLed, or its network
+    link cut) after the first checkpoint: the job goes on at world size 2 and finishes,
+    every sample once."""
+    job = Job(slurm, tmp_path, "-N", "3", TRAIN, *overrides(data, *ELASTIC))
+    job.wait_for("a registered checkpoint", lambda: job.registered_steps(), timeout=240)
+    try:
+        if failure == "link down":
+            slurm.link("n3", up=False)
+        else:
+            slurm.kill_node("n3")
+        job.wait_for("the end of training", lambda: list(job.dir.glob("hydra/*/summary.json")), 360)
+        s = job.summary()
+        assert s["world_sizes"] == [3, 2], job.output()[-6000:]
+        restarts = [(e["cause"], e["world_size"]) for e in s["events"] if e["event"] == "restart"]
+        assert restarts == [("shrink", 2)] or restarts == [("failure", 2)], restarts
+        assert_every_sample_once(s)
+    finally:
+        slurm.link("n3", up=True)
+        if failure != "link down":
+            slurm.start_slurmd("n3")
+        job.finish()
+        slurm.client("scontrol", "update", "nodename=n3", "state=resume", check=False)
+        slurm.wait_idle(["n3"], 120)
+
+
+def test_a_join_allocation_grows_the_job(slurm, data, tmp_path):
+    """A 2-node job; a second allocation (join.sbatch, 1 node) joins its Ray cluster after
+    the first checkpoint: the job grows to world size 3 and finishes; the joining job
+    ends with it."""
+    job = Job(slurm, tmp_path, "-N", "2", "-w", "n1,n2", TRAIN, *overrides(data, *ELASTIC))
+    job.wait_for("a registered checkpoint", lambda: job.registered_steps(), timeout=240)
+    join = slurm.sbatch("-N", "1", "-w", "n3", "-c", "2", JOIN, job.id, cwd=tmp_path)
+    assert job.finish() == "COMPLETED", job.output()[-6000:]
+    s = job.summary()
+    assert s["world_sizes"] == [2, 3]
+    assert [(e["cause"], e["world_size"]) for e in s["events"] if e["event"] == "restart"] == [
+        ("grow", 3)
+    ]
+    assert_every_sample_once(s)
+    assert slurm.wait_job(join, 60) == "COMPLETED"
+
+
+def test_usr1_checkpoints_at_once_and_the_requeued_job_resumes(slurm, data, tmp_path):
+    """Slurm's warning signal to the batch step (what --signal=B:USR1@120 sends before the
+    time limit): the run checkpoints at that step, the job requeues itself, and the
+    requeued job resumes from that checkpoint and finishes."""
+    job = Job(slurm, tmp_path, "-N", "2", TRAIN, *overrides(data, "checkpoint.every_steps=1000"))
+    job.wait_for("step 8", lambda: job.last_step() >= 8, timeout=240)
+    slurm.client("scancel", "--signal=USR1", "--batch", job.id)
+    preempted = job.wait_for("the preemption checkpoint", lambda: job.events("preempted"), 120)
+    stopped_at = preempted[0]["step"]
+    assert preempted[0]["reason"] == "SIGUSR1"
+    job.wait_for("the requeued job's resume", lambda: job.events("resume"), timeout=300)
+    assert job.finish() == "COMPLETED", job.output()[-6000:]
+    s = job.summary()
+    assert [e["step"] for e in s["events"] if e["event"] == "resume"] == [stopped_at]
+    assert "Restarts=1" in slurm.client("scontrol", "show", "job", job.id).stdout
+    assert_every_sample_once(s)
+    # the first incarnation's checkpoint is the one at the signal, not a periodic one
+    assert stopped_at >= 8 and stopped_at % 1000 != 0
