@@ -220,6 +220,10 @@ class JobDir:
     def joined(self) -> list[str]:
         return sorted(p.stem for p in (self.path / "nodes").glob("*.json"))
 
+    def failed(self) -> dict[str, str]:
+        """Nodes that could not start, with why."""
+        return {p.stem: p.read_text().strip() for p in (self.path / "nodes").glob("*.failed")}
+
     def mark(self, name: str) -> None:
         (self.path / name).write_text(f"{time.time()}\n")
 
@@ -297,7 +301,12 @@ def claim_ports(job_id: str, ip: str) -> tuple[int, object]:
     start = int(re.sub(r"\D", "", job_id) or 0) % slots
     for i in range(slots):
         base = PORT_BASE + ((start + i) % slots) * PORT_BLOCK
-        lock = open(LOCK_DIR / f"{base}.lock", "a")  # noqa: SIM115 (held while the node runs)
+        try:
+            # read-only is enough to lock, and works on another user's lock file
+            fd = os.open(LOCK_DIR / f"{base}.lock", os.O_RDONLY | os.O_CREAT, 0o666)
+        except OSError:
+            continue
+        lock = os.fdopen(fd)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -336,6 +345,31 @@ def ray_env(jobdir: JobDir, tag: str) -> dict[str, str]:
     return env
 
 
+def ray_start_cmd(
+    s: JobSettings, ip: str, base: int, temp: Path, head_address: str | None = None
+) -> list[str]:
+    """``ray start`` for a head (no ``head_address``) or a worker node: every port from
+    the claimed block starting at ``base``, the dashboard off or on localhost."""
+    ports = {name: base + i for i, name in enumerate(PORT_NAMES)}
+    cmd = [
+        "ray", "start", f"--node-ip-address={ip}", f"--temp-dir={temp}",
+        f"--num-cpus={node_cpus()}", "--disable-usage-stats",
+        f"--min-worker-port={base + WORKER_PORTS[0]}",
+        f"--max-worker-port={base + WORKER_PORTS[1]}",
+    ]  # fmt: skip
+    for name in PORT_NAMES[1:-1]:  # the dashboard's port is the head's only
+        cmd.append(f"--{name}={ports[name]}")
+    if s.object_store_mb:
+        cmd.append(f"--object-store-memory={s.object_store_mb * 1024 * 1024}")
+    if head_address:
+        return [*cmd, f"--address={head_address}"]
+    return [
+        *cmd, "--head", f"--port={ports['port']}",
+        f"--include-dashboard={'true' if s.dashboard else 'false'}",
+        f"--dashboard-host={s.dashboard_host}", f"--dashboard-port={ports['dashboard-port']}",
+    ]  # fmt: skip
+
+
 class RayNode:
     """``ray start`` on this node (head or worker) and the teardown of what it started."""
 
@@ -349,29 +383,7 @@ class RayNode:
         become_subreaper()
 
     def start(self, head_address: str | None = None) -> None:
-        s = self.settings
-        ports = {name: self.base + i for i, name in enumerate(PORT_NAMES)}
-        cmd = [
-            "ray", "start", f"--node-ip-address={self.ip}", f"--temp-dir={self.temp}",
-            f"--num-cpus={node_cpus()}", "--disable-usage-stats",
-            f"--min-worker-port={self.base + WORKER_PORTS[0]}",
-            f"--max-worker-port={self.base + WORKER_PORTS[1]}",
-        ]  # fmt: skip
-        for name in PORT_NAMES[1:]:
-            if name == "dashboard-port":
-                continue
-            cmd.append(f"--{name}={ports[name]}")
-        if s.object_store_mb:
-            cmd.append(f"--object-store-memory={s.object_store_mb * 1024 * 1024}")
-        if self.is_head:
-            cmd += [
-                "--head", f"--port={ports['port']}",
-                f"--include-dashboard={'true' if s.dashboard else 'false'}",
-                f"--dashboard-host={s.dashboard_host}",
-                f"--dashboard-port={ports['dashboard-port']}",
-            ]  # fmt: skip
-        else:
-            cmd.append(f"--address={head_address}")
+        cmd = ray_start_cmd(self.settings, self.ip, self.base, self.temp, head_address)
         role = "head" if self.is_head else "node"
         logf = self.jobdir.log_file(f"{self.host}-{role}")
         with open(logf, "a") as out:
@@ -528,11 +540,18 @@ def run_head(jobdir: JobDir, args: list[str], sig: Signals, keep: tuple[int, ...
         )
         log(f"Ray head at {node.address} (ports {node.base}..{node.base + PORT_BLOCK - 1})")
         expected = set(s.nodes)
-        if not wait_for(lambda: expected <= set(jobdir.joined()) or bool(sig.received), s.wait_s):
+        if not wait_for(
+            lambda: expected <= set(jobdir.joined()) or jobdir.failed() or sig.received, s.wait_s
+        ):
             missing = sorted(expected - set(jobdir.joined()))
             raise BootstrapError(
                 f"nodes {', '.join(missing)} did not join the Ray head within {s.wait_s:.0f}s "
                 f"(see their logs in {jobdir.path / 'logs'}); raise --wait-s if they are slow"
+            )
+        failed = jobdir.failed()
+        if failed:
+            raise BootstrapError(
+                "nodes could not start: " + "; ".join(f"{h}: {why}" for h, why in failed.items())
             )
         if sig.received:
             return PREEMPTED
@@ -564,9 +583,13 @@ def run_node(jobdir: JobDir, sig: Signals) -> int:
     if jobdir.marked("done"):
         return 0
     head = jobdir.head() or {}
-    node = RayNode(jobdir, s, head=False)
     try:
+        node = RayNode(jobdir, s, head=False)
         node.start(head["address"])
+    except BootstrapError as e:
+        (jobdir.path / "nodes" / f"{short_host()}.failed").write_text(f"{e}\n")
+        raise
+    try:
         node.record()
         log(f"joined the Ray head at {head['address']}")
         while not sig.received and not jobdir.marked("done"):
@@ -601,36 +624,37 @@ def run_train(args: list[str], ns: argparse.Namespace, sig: Signals) -> int:
     me = [sys.executable, "-m", "elastic.bootstrap"]
     node_cmd = [*me, "node", "--job-dir", str(jobdir.path)]
     workers = None
-    with open(jobdir.log_file("launcher"), "a") as out:
-        if job.scheduler == "slurm":
-            # the batch script runs on the first node: the head runs here
-            if len(job.nodes) > 1:
-                workers = subprocess.Popen(
-                    launcher("slurm", len(job.nodes) - 1, node_cmd, first=1),
-                    stdout=out, stderr=subprocess.STDOUT,
-                )  # fmt: skip
-            rc = run_head(jobdir, args, sig, keep=(workers.pid,) if workers else ())
-        else:
-            # LSF: the batch script runs on a launch node; the head gets a compute node
-            head = subprocess.Popen(
-                launcher("lsf", 1, [*me, "head", "--job-dir", str(jobdir.path), "--", *args])
-            )
-            if len(job.nodes) > 1:
-                workers = subprocess.Popen(
-                    launcher("lsf", len(job.nodes) - 1, node_cmd),
-                    stdout=out, stderr=subprocess.STDOUT,
-                )  # fmt: skip
-            while head.poll() is None:
-                if sig.received and not jobdir.marked("preempt"):
-                    jobdir.mark("preempt")  # the head passes it to the driver
-                time.sleep(0.5)
-            rc = head.returncode
-    jobdir.mark("done")
-    if workers is not None:
-        try:
-            workers.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            workers.terminate()
+    try:
+        with open(jobdir.log_file("launcher"), "a") as out:
+            if job.scheduler == "slurm":
+                # the batch script runs on the first node: the head runs here
+                if len(job.nodes) > 1:
+                    workers = subprocess.Popen(
+                        launcher("slurm", len(job.nodes) - 1, node_cmd, first=1),
+                        stdout=out, stderr=subprocess.STDOUT,
+                    )  # fmt: skip
+                rc = run_head(jobdir, args, sig, keep=(workers.pid,) if workers else ())
+            else:
+                # LSF: the batch script runs on a launch node; the head gets a compute node
+                head_cmd = [*me, "head", "--job-dir", str(jobdir.path), "--", *args]
+                head = subprocess.Popen(launcher("lsf", 1, head_cmd))
+                if len(job.nodes) > 1:
+                    workers = subprocess.Popen(
+                        launcher("lsf", len(job.nodes) - 1, node_cmd),
+                        stdout=out, stderr=subprocess.STDOUT,
+                    )  # fmt: skip
+                while head.poll() is None:
+                    if sig.received and not jobdir.marked("preempt"):
+                        jobdir.mark("preempt")  # the head passes it to the driver
+                    time.sleep(0.5)
+                rc = head.returncode
+    finally:
+        jobdir.mark("done")  # every node leaves
+        if workers is not None:
+            try:
+                workers.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                workers.terminate()
     if rc == PREEMPTED and ns.requeue:
         log(f"checkpointed on a stop signal: requeueing job {job.job_id} to resume")
         subprocess.run(requeue_cmd(job.scheduler, job.job_id))

@@ -140,3 +140,46 @@ def test_job_scripts_parse_and_pass_shellcheck(script):
         pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
     out = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
+
+
+def test_ray_start_uses_only_the_claimed_ports_and_no_open_dashboard():
+    s = bootstrap.JobSettings("7", "slurm", ["n1", "n2"], "0-ab")
+    head = bootstrap.ray_start_cmd(s, "10.0.0.1", 12000, bootstrap.Path("/tmp/ej7-n1"))
+    ports = [int(a.split("=")[1]) for a in head if a.split("=")[0].endswith("port")]
+    assert len(ports) == len(bootstrap.PORT_NAMES) + 2  # + the worker port range
+    assert all(12000 <= p < 12000 + bootstrap.PORT_BLOCK for p in ports)
+    assert "--include-dashboard=false" in head and "--dashboard-host=127.0.0.1" in head
+    assert "--node-ip-address=10.0.0.1" in head and "--head" in head
+    node = bootstrap.ray_start_cmd(s, "10.0.0.2", 12200, bootstrap.Path("/t"), "10.0.0.1:12000")
+    assert "--address=10.0.0.1:12000" in node and "--head" not in node
+    assert not [a for a in node if "dashboard-port" in a or "include-dashboard" in a]
+
+
+@pytest.mark.parametrize("how", ["never joins", "fails to start"])
+def test_head_names_the_nodes_that_did_not_join(tmp_path, how):
+    """A real Ray head on this machine waits for a node that never comes (or that wrote
+    why it could not start): one line naming it, and this job's processes are gone."""
+    jd = bootstrap.JobDir(tmp_path / "jobs" / "9")
+    host = bootstrap.short_host()
+    jd.create(
+        bootstrap.JobSettings(
+            "9", "slurm", [host, "ghost-node"], "0-ab", wait_s=3, object_store_mb=80
+        )
+    )
+    if how == "fails to start":
+        (jd.path / "nodes" / "ghost-node.failed").write_text("ray start failed (exit 1)\n")
+    env = {**os.environ, "ELASTIC_NODE_IP": "127.0.0.1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "elastic.bootstrap", "head", "--job-dir", str(jd.path)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stdout + out.stderr
+    error = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(error) == 1 and "ghost-node" in error[0], out.stderr
+    if how == "never joins":
+        assert "did not join the Ray head within 3s" in error[0]
+    else:
+        assert "could not start: ghost-node: ray start failed" in error[0]
+    assert jd.marked("done")
+    assert "stopped this job's" in out.stdout
+    assert not bootstrap.temp_dir("9", host).exists()

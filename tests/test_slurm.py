@@ -33,9 +33,9 @@ def slurm(tmp_path_factory):
         if os.environ.get("CI"):
             pytest.fail(f"the Slurm tests must run in CI: {why}")
         pytest.skip(why)
-    # 4 CPUs a node (more than this machine has: slurmd is told so) so that two jobs
-    # of 2 CPUs a node can share the nodes
-    c = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=3, cpus=4)
+    # 6 CPUs a node (more than this machine has: slurmd is told so) so that two jobs
+    # of 3 CPUs a node can share the nodes
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=3, cpus=6)
     c.up()
     try:
         yield c
@@ -66,6 +66,8 @@ def overrides(data, *extra: str) -> list[str]:
         "trainer.log_every_steps=1",
         "checkpoint.every_steps=5",
         "logger=none",
+        # a node's 3 CPUs: one worker (2), one for Ray Data's read and decode tasks
+        "scaling.cpus_per_worker=2",
         "scaling.placement_strategy=SPREAD",
         "scaling.resize_interval_s=2",
         *extra,
@@ -78,7 +80,7 @@ class Job(RunFiles):
     def __init__(self, cluster: SlurmCluster, workdir: Path, *sbatch_args: str):
         self.cluster, self.workdir = cluster, workdir
         self.id = cluster.sbatch(
-            "-c", "2", *sbatch_args, cwd=workdir,
+            "-c", "3", *sbatch_args, cwd=workdir,
             env={"ELASTIC_BOOTSTRAP_ARGS": "--object-store-mb 200 --wait-s 90"},
         )  # fmt: skip
         super().__init__(workdir / "runs" / f"slurm-{self.id}")
@@ -213,7 +215,7 @@ def test_a_join_allocation_grows_the_job(slurm, data, tmp_path):
     ends with it."""
     job = Job(slurm, tmp_path, "-N", "2", "-w", "n1,n2", TRAIN, *overrides(data, *ELASTIC))
     job.wait_for("a registered checkpoint", lambda: job.registered_steps(), timeout=240)
-    join = slurm.sbatch("-N", "1", "-w", "n3", "-c", "2", JOIN, job.id, cwd=tmp_path)
+    join = slurm.sbatch("-N", "1", "-w", "n3", "-c", "3", JOIN, job.id, cwd=tmp_path)
     assert job.finish() == "COMPLETED", job.output()[-6000:]
     s = job.summary()
     assert s["world_sizes"] == [2, 3]
