@@ -48,6 +48,19 @@ class DataConfig:
     multiple of it, the rest is gradient accumulation. null = the whole share at once."""
     input_column: str = "x"
     target_column: str = "y"
+    format: str = "array"
+    """array: the input column holds arrays (fixed-size lists); image: encoded image
+    bytes (PNG, JPEG, ...), decoded and resized in Ray Data's map_batches."""
+    image_size: int = 32
+    """image: decoded images are resized to image_size x image_size."""
+    image_channels: int = 1
+    """image: 1 (grayscale) or 3 (RGB)."""
+    augment_shift: int = 0
+    """image: shift each training image by up to this many pixels, by an offset fixed by
+    data.seed, the epoch and the sample_id (the same on any worker, after a resume too);
+    0 = no augmentation."""
+    seed: int = 0
+    """Seed of the data's randomness (augmentation)."""
     block_size_mb: float = 1.0
     """Largest Ray Data block. Blocks are the unit the workers' splits are dealt in, so
     small blocks keep the workers' shares even (Ray reads small shards as one block);
@@ -214,6 +227,30 @@ def to_typed(cfg: DictConfig) -> TrainConfig:
     return typed
 
 
+def _check_images(d: DataConfig, model: Any) -> None:
+    if d.image_size < 4:
+        raise ConfigError(f"data.image_size={d.image_size} is not valid: it must be >= 4")
+    if d.image_channels not in (1, 3):
+        raise ConfigError(
+            f"data.image_channels={d.image_channels} is not valid: use 1 (grayscale) or 3 (RGB)"
+        )
+    if not 0 <= d.augment_shift < d.image_size // 2:
+        raise ConfigError(
+            f"data.augment_shift={d.augment_shift} is not valid: use 0..{d.image_size // 2 - 1}"
+        )
+    channels = getattr(model, "in_channels", None)
+    if channels is None:
+        raise ConfigError(
+            f"data.format=image needs an image model, not model={getattr(model, 'name', '?')}: "
+            "use model=resnet"
+        )
+    if channels != d.image_channels:
+        raise ConfigError(
+            f"model.in_channels={channels} but data.image_channels={d.image_channels}: "
+            "make them equal"
+        )
+
+
 def _allowed(key: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{key}={value!r} is not valid: use one of {', '.join(choices)}")
@@ -258,6 +295,9 @@ def validate(cfg: TrainConfig) -> None:
         )
     _positive("scaling.cpus_per_worker", sc.cpus_per_worker)
     _positive("data.global_batch_size", d.global_batch_size)
+    _allowed("data.format", d.format, ("array", "image"))
+    if d.format == "image":
+        _check_images(d, cfg.model)
     _positive("data.block_size_mb", d.block_size_mb)
     _positive("data.prefetch_mb", d.prefetch_mb)
     _positive("data.cache_mb", d.cache_mb, allow_zero=True)

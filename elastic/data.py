@@ -135,11 +135,18 @@ def build_datasets(cfg: DataConfig, splits: dict[str, Split], max_workers: int) 
         finally:
             ctx.use_datasource_v2 = use_v2
         ds.context.target_max_block_size = block_bytes(split.bytes, cfg.block_size_mb, max_workers)
+        kwargs: dict[str, Any] = {
+            "input_column": cfg.input_column,
+            "target_column": cfg.target_column,
+        }
+        decode: Any = decode_batch
+        if cfg.format == "image":
+            from elastic.images import decode_images
+
+            decode = decode_images
+            kwargs.update(size=cfg.image_size, channels=cfg.image_channels)
         return ds.map_batches(
-            decode_batch,  # type: ignore[arg-type]
-            batch_format="pyarrow",
-            zero_copy_batch=True,
-            fn_kwargs={"input_column": cfg.input_column, "target_column": cfg.target_column},
+            decode, batch_format="pyarrow", zero_copy_batch=True, fn_kwargs=kwargs
         )
 
     return {name: load(split) for name, split in splits.items()}

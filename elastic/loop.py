@@ -24,6 +24,7 @@ from elastic.config import TrainConfig
 from elastic.control import StopPoller, node_drain_probe
 from elastic.data import EpochPrefetcher, StepBatch, StepStream, shard_blocks
 from elastic.engine import build_engine, init_distributed, set_base_lr, warm_imports
+from elastic.images import shift_augment
 from elastic.models import MetricSums, per_sample_loss
 from elastic.tracking import NullTracker, make_tracker
 
@@ -297,8 +298,13 @@ class _Trainer:
         return self.device if self.cfg.scaling.use_gpu else torch.device("cpu")
 
     def _train_step(self, batch: StepBatch) -> None:
-        plan, engine = self.plan, self.engine
-        x = torch.from_numpy(batch.x).to(self.device, self.dtype)
+        plan, engine, d = self.plan, self.engine, self.cfg.data
+        inputs = batch.x
+        if d.format == "image" and d.augment_shift:
+            inputs = shift_augment(
+                inputs, batch.sample_id, self.state.epoch, d.seed, d.augment_shift
+            )
+        x = torch.from_numpy(inputs).to(self.device, self.dtype)
         y = torch.from_numpy(batch.y).to(self.device)
         # Weight per-sample losses so the gradient is the mean over the step's rows on all
         # workers, even when a worker has fewer rows (end of epoch): DeepSpeed divides by
@@ -455,6 +461,14 @@ class _Trainer:
         return metrics
 
     def _empty_batch(self) -> dict[str, np.ndarray]:
+        d = self.cfg.data
+        if d.format == "image":
+            shape = (0, d.image_channels, d.image_size, d.image_size)
+            return {
+                "sample_id": np.zeros(0, np.int64),
+                "x": np.zeros(shape, np.float32),
+                "y": np.zeros(0, np.int64),
+            }
         return {
             "sample_id": np.zeros(0, np.int64),
             "x": np.zeros((0, getattr(self.cfg.model, "input_dim", 1)), np.float32),

@@ -47,7 +47,72 @@ class MLPConfig:
         return nn.Sequential(*layers)
 
 
-MODEL_SCHEMAS: dict[str, type] = {"mlp": MLPConfig}
+class _Block(nn.Module):
+    """A ResNet basic block (two 3x3 convs); GroupNorm, not BatchNorm: no running
+    statistics that depend on the per-worker batch (the world size changes)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False),
+            nn.GroupNorm(min(8, c_out), c_out),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False),
+            nn.GroupNorm(min(8, c_out), c_out),
+        )
+        self.skip: nn.Module = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.skip = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.GroupNorm(min(8, c_out), c_out)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.skip(x))
+
+
+@dataclass
+class ResNetConfig:
+    """A small ResNet on [N, C, H, W] images: a 3x3 stem, one stage per width (each
+    after the first halves the resolution), global average pooling, a linear head."""
+
+    name: str = "resnet"
+    in_channels: int = 1
+    widths: list[int] = field(default_factory=lambda: [16, 32, 64])
+    blocks_per_stage: int = 1
+    output_dim: int = 10
+    """Classes (classification) or outputs (regression)."""
+    task: str = "classification"
+
+    def validate(self) -> None:
+        from elastic.config import ConfigError
+
+        if self.task not in TASKS:
+            raise ConfigError(f"model.task={self.task!r} is not valid: use one of {TASKS}")
+        if self.in_channels < 1 or self.output_dim < 1 or self.blocks_per_stage < 1:
+            raise ConfigError(
+                "model.in_channels, model.output_dim and model.blocks_per_stage must be >= 1"
+            )
+        if not self.widths or any(w < 1 for w in self.widths):
+            raise ConfigError(f"model.widths={self.widths} is not valid: one or more, all >= 1")
+        if self.task == "classification" and self.output_dim < 2:
+            raise ConfigError("model.output_dim must be >= 2 (classes) for classification")
+
+    def build(self) -> nn.Module:
+        layers: list[nn.Module] = [
+            nn.Conv2d(self.in_channels, self.widths[0], 3, 1, 1, bias=False),
+            nn.GroupNorm(min(8, self.widths[0]), self.widths[0]),
+            nn.ReLU(inplace=True),
+        ]
+        c = self.widths[0]
+        for i, w in enumerate(self.widths):
+            for b in range(self.blocks_per_stage):
+                layers.append(_Block(c, w, 2 if (i > 0 and b == 0) else 1))
+                c = w
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, self.output_dim)]
+        return nn.Sequential(*layers)
+
+
+MODEL_SCHEMAS: dict[str, type] = {"mlp": MLPConfig, "resnet": ResNetConfig}
 
 
 def per_sample_loss(task: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

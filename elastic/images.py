@@ -1,0 +1,213 @@
+"""Images, ImageNet-style: class folders of JPEG/PNG -> Parquet shards of the encoded
+bytes + label, decoded (and resized) in Ray Data's ``map_batches``, augmented on the
+worker with a shift that is a pure function of (seed, epoch, sample_id).
+
+Needs the ``images`` extra (Pillow; scikit-learn for the digits example).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+
+
+class ImageError(ValueError):
+    """A one-line, user-facing problem with an input image or folder."""
+
+
+@dataclass(frozen=True)
+class Converted:
+    train_rows: int
+    val_rows: int
+    classes: list[str]
+
+
+def _pil():
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ImageError(
+            "images need Pillow: pip install -e '.[images]' (the images extra)"
+        ) from None
+    return Image
+
+
+def list_images(src: Path) -> tuple[list[str], list[tuple[str, int]]]:
+    """Class names (sorted sub-folder names) and (relative path, label) of every image."""
+    if not src.is_dir():
+        raise ImageError(f"{src} is not a directory: pass a folder of class sub-folders")
+    classes = sorted(d.name for d in src.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if not classes:
+        raise ImageError(f"{src} has no class sub-folders (expected {src}/<class>/<image>.png)")
+    items = []
+    for label, name in enumerate(classes):
+        for root, _, files in os.walk(src / name):
+            for f in sorted(files):
+                if f.lower().endswith(EXTENSIONS):
+                    items.append((os.path.relpath(os.path.join(root, f), src), label))
+    if not items:
+        raise ImageError(f"{src} has class folders but no images ({', '.join(EXTENSIONS)})")
+    items.sort()
+    return classes, items
+
+
+def _in_val(rel_path: str, val_fraction: float, seed: int) -> bool:
+    """Stable split: a file's split depends only on its path and the seed."""
+    h = hashlib.sha256(f"{seed}:{rel_path}".encode()).digest()
+    return int.from_bytes(h[:8], "little") / 2**64 < val_fraction
+
+
+def _checked_bytes(path: Path) -> bytes:
+    data = path.read_bytes()
+    try:
+        with _pil().open(io.BytesIO(data)) as im:
+            im.load()  # verify() misses truncated pixel data; load() decodes it all
+    except ImageError:
+        raise
+    except Exception as e:  # PIL raises many types for bad files
+        raise ImageError(f"{path} does not decode as an image ({e}): fix or remove it") from None
+    return data
+
+
+def convert(
+    src: str | Path,
+    out: str | Path,
+    val_fraction: float = 0.1,
+    shards: int = 8,
+    seed: int = 0,
+) -> Converted:
+    """``src/<class>/*.png|jpg`` -> ``out/train`` and ``out/val`` Parquet shards with
+    columns sample_id (int64, stable: the index in the sorted file list), image (the
+    file's encoded bytes), label (int32), path; the class names in the schema metadata.
+    Rows are in a seeded random order, so that the classes mix in every step.
+
+    Every image is decoded once here, so a bad one fails the conversion (naming the file)
+    before any shard is written; shards are written to a temp name then renamed."""
+    src, out = Path(src), Path(out)
+    if not 0 <= val_fraction < 1:
+        raise ImageError(f"val_fraction={val_fraction} is not valid: use 0 <= f < 1")
+    classes, items = list_images(src)
+    rows = {"train": [], "val": []}  # type: dict[str, list[tuple[int, str, int]]]
+    for sample_id, (rel, label) in enumerate(items):
+        split = "val" if _in_val(rel, val_fraction, seed) else "train"
+        rows[split].append((sample_id, rel, label))
+    blobs = {rel: _checked_bytes(src / rel) for rel, _ in items}
+    meta = {
+        b"elastic.classes": json.dumps(classes).encode(),
+        b"elastic.source": str(src.resolve()).encode(),
+        b"elastic.format": b"image",
+    }
+    for split, split_rows in rows.items():
+        # folders are sorted by class: without mixing, every step would see one class
+        order = np.random.default_rng(seed).permutation(len(split_rows))
+        split_rows = [split_rows[j] for j in order]
+        d = out / split
+        d.mkdir(parents=True, exist_ok=True)
+        for old in d.glob("*.parquet"):
+            old.unlink()  # a re-run replaces the whole split
+        n = max(1, min(shards, len(split_rows)))
+        for i, part in enumerate(np.array_split(np.arange(len(split_rows)), n)):
+            chosen = [split_rows[j] for j in part]
+            table = pa.table(
+                {
+                    "sample_id": pa.array([r[0] for r in chosen], pa.int64()),
+                    "image": pa.array([blobs[r[1]] for r in chosen], pa.binary()),
+                    "label": pa.array([r[2] for r in chosen], pa.int32()),
+                    "path": pa.array([r[1] for r in chosen], pa.string()),
+                }
+            ).replace_schema_metadata(meta)
+            final = d / f"part-{i:05d}.parquet"
+            tmp = d / f".{final.name}.tmp"
+            pq.write_table(table, tmp)
+            tmp.replace(final)  # a half-written shard never looks valid
+    return Converted(len(rows["train"]), len(rows["val"]), classes)
+
+
+def decode_images(
+    batch: pa.Table, input_column: str, target_column: str, size: int, channels: int
+) -> dict[str, np.ndarray]:
+    """Encoded images -> float32 [N, C, size, size] in [-0.5, 0.5]; labels as int64."""
+    image = _pil()
+    mode = "L" if channels == 1 else "RGB"
+    column = batch[input_column].to_pylist()
+    x = np.empty((len(column), channels, size, size), dtype=np.float32)
+    for i, data in enumerate(column):
+        try:
+            with image.open(io.BytesIO(data)) as im:
+                im = im.convert(mode)
+                if im.size != (size, size):
+                    im = im.resize((size, size), image.Resampling.BILINEAR)
+                a = np.asarray(im, dtype=np.float32)
+        except Exception as e:
+            sid = batch["sample_id"][i].as_py()
+            raise ImageError(f"sample_id {sid} does not decode as an image ({e})") from None
+        x[i] = a[None] if channels == 1 else a.transpose(2, 0, 1)
+    x = x / 255.0 - 0.5
+    return {
+        "sample_id": batch["sample_id"].to_numpy().astype(np.int64, copy=False),
+        "x": x,
+        "y": batch[target_column].to_numpy().astype(np.int64, copy=False),
+    }
+
+
+def shift_augment(
+    x: np.ndarray, sample_id: np.ndarray, epoch: int, seed: int, max_shift: int
+) -> np.ndarray:
+    """Shift every image by up to ``max_shift`` pixels (zero fill), by an offset that is
+    a pure function of (seed, epoch, sample_id): the same sample gets the same view in an
+    epoch whichever worker trains it, after a resume too, and a new one next epoch."""
+    if max_shift <= 0 or len(x) == 0:
+        return x
+    n, _, h, w = x.shape
+    ids = sample_id.astype(np.uint64)
+    mix = (ids * np.uint64(0x9E3779B97F4A7C15)) ^ np.uint64(
+        (seed * 1_000_003 + epoch) & (2**63 - 1)
+    )
+    mix ^= mix >> np.uint64(31)
+    mix *= np.uint64(0xBF58476D1CE4E5B9)
+    mix ^= mix >> np.uint64(29)
+    span = np.uint64(2 * max_shift + 1)
+    dy = (mix % span).astype(np.int64) - max_shift
+    dx = ((mix // span) % span).astype(np.int64) - max_shift
+    p = max_shift
+    padded = np.pad(x, ((0, 0), (0, 0), (p, p), (p, p)), constant_values=-0.5)
+    out = np.empty_like(x)
+    for i in range(n):
+        top, left = p + dy[i], p + dx[i]
+        out[i] = padded[i, :, top : top + h, left : left + w]
+    return out
+
+
+def classes_of(shard: str) -> list[str]:
+    meta = pq.read_schema(shard).metadata or {}
+    return json.loads(meta.get(b"elastic.classes", b"[]"))
+
+
+def digits_to_folders(out: str | Path) -> int:
+    """scikit-learn's bundled digits (1,797 8x8 images, 10 classes) as PNG class folders:
+    the same input a user's ImageNet-style folder tree is."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise ImageError(
+            "the digits example needs scikit-learn: pip install -e '.[images]'"
+        ) from None
+    image = _pil()
+    digits = load_digits()
+    out = Path(out)
+    for i, (pixels, label) in enumerate(zip(digits.images, digits.target, strict=True)):
+        d = out / str(label)
+        d.mkdir(parents=True, exist_ok=True)
+        a = np.clip(pixels * (255.0 / 16.0), 0, 255).astype(np.uint8)
+        image.fromarray(a, mode="L").save(d / f"{i:05d}.png")
+    return len(digits.images)
