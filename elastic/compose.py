@@ -115,6 +115,12 @@ def check_data(cfg: TrainConfig) -> None:
 
     if cfg.data.synthetic is not None and not os.path.isdir(cfg.data.path):
         return
+    if cfg.data.format == "image" and not os.path.exists(cfg.data.path):
+        raise ConfigError(
+            f"data.path={cfg.data.path} does not exist: convert your class folders with "
+            "python datasets/images/prepare.py SRC OUT (or --digits OUT for the example) "
+            "and point data.path/data.val_path at OUT/train and OUT/val"
+        )
     check_dataset(cfg.data)
     width = input_width(cfg.data)
     expected = getattr(cfg.model, "input_dim", None)

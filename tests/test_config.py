@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from elastic.compose import CONF_DIR, compose, preflight, typed_config
-from elastic.config import TrainConfig
+from elastic.config import ConfigError, TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
@@ -20,7 +20,22 @@ EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_composes_and_validates(experiment, tmp_path):
-    cfg, name = compose([f"+experiment={experiment}", f"run.storage_path={tmp_path}"])
+    data = []
+    if experiment.startswith("images"):
+        # a dataset that must be prepared first: a tiny one, converted for real
+        pytest.importorskip("PIL", reason="the images extra is not installed")
+        from PIL import Image
+
+        from elastic.images import convert
+
+        for label in ("a", "b"):
+            (tmp_path / "src" / label).mkdir(parents=True)
+            Image.new("L", (8, 8), 40 if label == "a" else 200).save(
+                tmp_path / "src" / label / "0.png"
+            )
+        convert(tmp_path / "src", tmp_path / "img", val_fraction=0)
+        data = [f"data.path={tmp_path}/img/train", "data.val_path=null"]
+    cfg, name = compose([f"+experiment={experiment}", f"run.storage_path={tmp_path}", *data])
     typed = typed_config(cfg, name)
     assert isinstance(typed, TrainConfig)
     assert typed.run.experiment == experiment
@@ -31,6 +46,12 @@ def test_every_experiment_composes_and_validates(experiment, tmp_path):
     for w in range(typed.scaling.min_workers, typed.scaling.max_workers + 1):
         plan = BatchPlan.for_world(typed.data.global_batch_size, w, typed.data.micro_batch_size)
         assert plan.micro_batch_size * plan.grad_accum_steps * w == typed.data.global_batch_size
+
+
+def test_a_missing_image_dataset_says_how_to_prepare_it(tmp_path):
+    cfg, name = compose(["+experiment=images_resnet", f"data.path={tmp_path}/nothing"])
+    with pytest.raises(ConfigError, match="python datasets/images/prepare.py SRC OUT"):
+        typed_config(cfg, name)
 
 
 def test_public_keys_reach_the_typed_config(tmp_path):
