@@ -50,7 +50,8 @@ class DataConfig:
     target_column: str = "y"
     format: str = "array"
     """array: the input column holds arrays (fixed-size lists); image: encoded image
-    bytes (PNG, JPEG, ...), decoded and resized in Ray Data's map_batches."""
+    bytes (PNG, JPEG, ...), decoded and resized in Ray Data's map_batches; contacts:
+    bit-packed contact maps (datasets/protein), decoded to 0/1 vectors."""
     image_size: int = 32
     """image: decoded images are resized to image_size x image_size."""
     image_channels: int = 1
@@ -295,7 +296,7 @@ def validate(cfg: TrainConfig) -> None:
         )
     _positive("scaling.cpus_per_worker", sc.cpus_per_worker)
     _positive("data.global_batch_size", d.global_batch_size)
-    _allowed("data.format", d.format, ("array", "image"))
+    _allowed("data.format", d.format, ("array", "image", "contacts"))
     if d.format == "image":
         _check_images(d, cfg.model)
     _positive("data.block_size_mb", d.block_size_mb)

@@ -145,6 +145,11 @@ def build_datasets(cfg: DataConfig, splits: dict[str, Split], max_workers: int) 
 
             decode = decode_images
             kwargs.update(size=cfg.image_size, channels=cfg.image_channels)
+        elif cfg.format == "contacts":
+            from elastic.protein import contact_width, decode_contacts
+
+            decode = decode_contacts
+            kwargs.update(width=contact_width(split.files[0]))
         return ds.map_batches(
             decode, batch_format="pyarrow", zero_copy_batch=True, fn_kwargs=kwargs
         )
@@ -367,6 +372,26 @@ class StepStream:
 
 
 def input_width(cfg: DataConfig) -> int | None:
-    """Width of the input column when it is a fixed-size list (None for other encodings)."""
+    """Width of the model's input vector when the data fixes it: a fixed-size list
+    column, or contact maps (the same number of bits in every shard of both splits, else
+    a ConfigError naming the odd shard). None for other encodings."""
+    if cfg.format == "contacts":
+        from elastic.protein import contact_width
+
+        widths: dict[str, int | None] = {}
+        for f in list_shards(cfg.path) + (list_shards(cfg.val_path) if cfg.val_path else []):
+            widths[f] = contact_width(f)
+            if widths[f] is None:
+                raise ConfigError(
+                    f"{f} is not a contact-map shard (no elastic.contact_bits metadata): "
+                    "write it with datasets/protein/prepare.py or set data.format"
+                )
+            first = next(iter(widths))
+            if widths[f] != widths[first]:
+                raise ConfigError(
+                    f"{f} holds contact maps of {widths[f]} bits, {first} of {widths[first]}: "
+                    "proteins of different residue counts cannot share a dataset"
+                )
+        return next(iter(widths.values()))
     field_type = pq.read_schema(list_shards(cfg.path)[0]).field(cfg.input_column).type
     return field_type.list_size if pa.types.is_fixed_size_list(field_type) else None
