@@ -64,6 +64,8 @@ def check_dataset(cfg: DataConfig) -> dict[str, Split]:
     splits = [("train", "data.path", cfg.path)]
     if cfg.val_path:
         splits.append(("val", "data.val_path", cfg.val_path))
+    first_types: dict[str, pa.DataType] | None = None
+    first_file = ""
     for split, key, path in splits:
         rows = size = 0
         files = list_shards(path, key)
@@ -75,12 +77,21 @@ def check_dataset(cfg: DataConfig) -> dict[str, Split]:
                     f"{f} is not a readable Parquet file ({str(e).splitlines()[0]}): "
                     "regenerate or remove it"
                 ) from None
-            names = meta.schema.to_arrow_schema().names
+            schema = meta.schema.to_arrow_schema()
             for col in required:
-                if col not in names:
+                if col not in schema.names:
                     raise ConfigError(
-                        f"{f} has no column {col!r} (columns: {', '.join(names)}): "
+                        f"{f} has no column {col!r} (columns: {', '.join(schema.names)}): "
                         f"regenerate the shard or set data.input_column/data.target_column"
+                    )
+            types = {col: schema.field(col).type for col in required}
+            if first_types is None:
+                first_types, first_file = types, f
+            for col, typ in types.items():
+                if typ != first_types[col]:
+                    raise ConfigError(
+                        f"{f} has column {col!r} of type {typ}, {first_file} of type "
+                        f"{first_types[col]}: every shard of a dataset needs the same schema"
                     )
             rows += meta.num_rows
             size += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))

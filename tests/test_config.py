@@ -35,6 +35,11 @@ def test_every_experiment_composes_and_validates(experiment, tmp_path):
             )
         convert(tmp_path / "src", tmp_path / "img", val_fraction=0)
         data = [f"data.path={tmp_path}/img/train", "data.val_path=null"]
+    if experiment.startswith("protein"):
+        from elastic.protein import synthetic
+
+        synthetic(tmp_path / "protein", frames=8, shards=1)
+        data = [f"data.path={tmp_path}/protein", "data.val_path=null"]
     cfg, name = compose([f"+experiment={experiment}", f"run.storage_path={tmp_path}", *data])
     typed = typed_config(cfg, name)
     assert isinstance(typed, TrainConfig)
@@ -97,6 +102,12 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     (corrupt / "part-0.parquet").write_bytes(b"PAR1 this is not parquet")
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    y = pa.FixedSizeListArray.from_arrays(pa.array([0.0] * 16, pa.float32()), 16)
+    pq.write_table(pa.table({"sample_id": [0], "x": x, "y": y}), mixed / "part-0.parquet")
+    x64 = pa.FixedSizeListArray.from_arrays(pa.array([0.0] * 128, pa.float64()), 128)
+    pq.write_table(pa.table({"sample_id": [1], "x": x64, "y": y}), mixed / "part-1.parquet")
     real = ["data.synthetic=null"]
     return [
         (["strategy.zero_stgae=2"], "strategy.zero_stgae"),
@@ -110,6 +121,7 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([*real, f"data.path={empty}"], "no .parquet files"),
         ([*real, f"data.path={no_target}", "data.val_path=null"], "no column 'y'"),
         ([*real, f"data.path={corrupt}", "data.val_path=null"], "not a readable Parquet"),
+        ([*real, f"data.path={mixed}", "data.val_path=null"], "part-1.parquet has column 'x'"),
         (["strategy.precision=fp8"], "strategy.precision"),
         (["scaling.batch_policy=nearest"], "scaling.batch_policy"),
         (["scaling.max_failures=-2"], "scaling.max_failures=-2"),

@@ -20,7 +20,13 @@ from conftest import train  # noqa: E402
 from elastic.compose import compose, typed_config  # noqa: E402
 from elastic.config import ConfigError  # noqa: E402
 from elastic.localcluster import REPO  # noqa: E402
-from elastic.protein import ProteinError, contact_width, convert, decode_contacts  # noqa: E402
+from elastic.protein import (  # noqa: E402
+    ProteinError,
+    contact_width,
+    convert,
+    decode_contacts,
+    synthetic,
+)
 
 PREPARE = str(REPO / "datasets" / "protein" / "prepare.py")
 BITS = 214 * 213 // 2
@@ -58,6 +64,21 @@ def test_adk_path_to_contact_maps_labels_and_metadata(tmp_path):
     by_frame = {r["frame"]: r for r in t.select(["frame", "rmsd_open", "rmsd_closed"]).to_pylist()}
     assert by_frame[0]["rmsd_closed"] < 1.0 < by_frame[0]["rmsd_open"]
     assert by_frame[97]["rmsd_open"] < 1.0 < by_frame[97]["rmsd_closed"]
+
+
+def test_the_synthetic_generator_writes_the_converters_schema(tmp_path):
+    convert(D.PSF, [D.DCD], tmp_path / "real", {"open": D.CRD, "closed": D.PDB_closed}, shards=1)
+    done = synthetic(tmp_path / "syn", frames=50, residues=214, shards=2)
+    real, syn = read(tmp_path / "real"), read(tmp_path / "syn")
+    assert syn.schema.remove_metadata() == real.schema.remove_metadata()
+    assert set(syn.schema.metadata) == set(real.schema.metadata)
+    assert syn.schema.metadata[b"elastic.contact_bits"] == str(BITS).encode()
+    assert done.rows == 50 and sorted(syn["sample_id"].to_pylist()) == list(range(50))
+    # labels that a model can learn: the further from "closed", the closer to "open"
+    c, o = syn["rmsd_closed"].to_numpy(), syn["rmsd_open"].to_numpy()
+    assert np.corrcoef(c, o)[0, 1] < -0.5
+    x = decode_contacts(syn, "contacts", "rg", BITS)["x"]
+    assert 0.01 < x.mean() < 0.5  # a chain has contacts, not everything touches
 
 
 def test_a_protein_split_across_the_periodic_box_is_made_whole(tmp_path):

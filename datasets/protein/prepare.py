@@ -4,17 +4,20 @@
         [--ref NAME=STRUCTURE ...] [--cutoff 8.0] [--selection "name CA"] [--distances]
         [--rg NAME=SELECTION ...] [--shards 4] [--first-sample-id 0]
     python datasets/protein/prepare.py --adk DIR
+    python datasets/protein/prepare.py --synthetic DIR [--frames 100000] [--residues 214]
 
 Any topology/trajectory pair MDAnalysis reads. --adk converts the adenylate kinase data
 that ships in MDAnalysisTests: the two closed->open DIMS transition paths to DIR/train,
 the NAMD implicit-solvent run to DIR/val (a held-out trajectory), with RMSD to the open
-and closed structures as labels. See README.md.
+and closed structures as labels. --synthetic writes DIR/train and DIR/val of the same
+schema without MDAnalysis (a chain morphing between two folds), for scale tests.
+See README.md.
 """
 
 import argparse
 import sys
 
-from elastic.protein import ProteinError, convert
+from elastic.protein import ProteinError, convert, synthetic
 
 
 def pairs(values: list[str], what: str) -> dict[str, str]:
@@ -48,6 +51,9 @@ def main() -> None:
     p.add_argument("trajectories", nargs="*")
     p.add_argument("--out")
     p.add_argument("--adk", metavar="DIR", help="the AdK example from MDAnalysisTests")
+    p.add_argument("--synthetic", metavar="DIR", help="generated frames of the same schema")
+    p.add_argument("--frames", type=int, default=10000, help="--synthetic: training frames")
+    p.add_argument("--residues", type=int, default=214, help="--synthetic: chain length")
     p.add_argument("--ref", action="append", help="NAME=STRUCTURE: label rmsd_NAME")
     p.add_argument("--rg", action="append", help="NAME=SELECTION: label rg_NAME")
     p.add_argument("--cutoff", type=float, default=8.0, help="contact cutoff (angstrom)")
@@ -59,6 +65,12 @@ def main() -> None:
     try:
         if a.adk:
             adk(a.adk)
+            return
+        if a.synthetic:
+            tr = synthetic(f"{a.synthetic}/train", a.frames, a.residues, a.cutoff, 0, a.shards)
+            va = synthetic(f"{a.synthetic}/val", max(1, a.frames // 10), a.residues, a.cutoff, 1,
+                           a.shards, first_sample_id=tr.rows)  # fmt: skip
+            print(f"wrote {tr.rows} train and {va.rows} val synthetic frames to {a.synthetic}")
             return
         if not (a.topology and a.trajectories and a.out):
             p.error("give TOPOLOGY TRAJ [TRAJ ...] --out DIR, or --adk DIR")
