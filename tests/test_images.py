@@ -73,6 +73,16 @@ def test_class_folders_become_shards_with_labels_ids_and_class_names(tmp_path):
     assert read_split(tmp_path / "again/val").equals(val_t)
 
 
+def test_synthetic_images_take_the_same_path(tmp_path):
+    cmd = [sys.executable, PREPARE, "--synthetic", str(tmp_path / "s"), "--images", "40"]
+    out = subprocess.run(cmd + ["--classes", "4", "--size", "12"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert len(list((tmp_path / "s/raw").glob("class*/*.png"))) == 40
+    t = pq.read_table(sorted((tmp_path / "s").glob("*/*.parquet")))
+    assert t.num_rows == 40 and set(t["label"].to_pylist()) == {0, 1, 2, 3}
+    assert set(t.schema.names) == {"sample_id", "image", "label", "path"}
+
+
 def test_a_corrupt_image_names_the_file_and_no_shard_is_written(tmp_path):
     write_tree(tmp_path / "src", per_class=3)
     bad = tmp_path / "src" / "dog" / "broken.png"
