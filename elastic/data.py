@@ -45,6 +45,25 @@ def list_shards(path: str, key: str = "data.path") -> list[str]:
     return files
 
 
+def write_split(table: pa.Table, out: str | os.PathLike, shards: int, seed: int) -> None:
+    """A converter's split: ``table``'s rows in a seeded random order (inputs often come
+    sorted by class or time; unmixed, a step would see one kind of sample) as up to
+    ``shards`` files ``out/part-NNNNN.parquet``, replacing the split's old shards. Each
+    file is written under a temp name and renamed: a half-written shard never looks valid."""
+    d = os.fspath(out)
+    os.makedirs(d, exist_ok=True)
+    for old in os.listdir(d):
+        if old.endswith(".parquet"):
+            os.remove(os.path.join(d, old))
+    mixed = table.take(np.random.default_rng(seed).permutation(table.num_rows))
+    bounds = np.linspace(0, table.num_rows, max(1, min(shards, table.num_rows)) + 1).astype(int)
+    for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        final = os.path.join(d, f"part-{i:05d}.parquet")
+        tmp = os.path.join(d, f".part-{i:05d}.parquet.tmp")
+        pq.write_table(mixed.slice(lo, hi - lo), tmp)
+        os.replace(tmp, final)
+
+
 @dataclass(frozen=True)
 class Split:
     """A checked split: its shard files, rows, and uncompressed bytes (from the footers)."""
@@ -389,20 +408,19 @@ def input_width(cfg: DataConfig) -> int | None:
     if cfg.format == "contacts":
         from elastic.protein import contact_width
 
-        widths: dict[str, int | None] = {}
-        for f in list_shards(cfg.path) + (list_shards(cfg.val_path) if cfg.val_path else []):
-            widths[f] = contact_width(f)
-            if widths[f] is None:
+        files = list_shards(cfg.path) + (list_shards(cfg.val_path) if cfg.val_path else [])
+        widths = [contact_width(f) for f in files]
+        for f, width in zip(files, widths, strict=True):
+            if width is None:
                 raise ConfigError(
                     f"{f} is not a contact-map shard (no elastic.contact_bits metadata): "
                     "write it with datasets/protein/prepare.py or set data.format"
                 )
-            first = next(iter(widths))
-            if widths[f] != widths[first]:
+            if width != widths[0]:
                 raise ConfigError(
-                    f"{f} holds contact maps of {widths[f]} bits, {first} of {widths[first]}: "
+                    f"{f} holds contact maps of {width} bits, {files[0]} of {widths[0]}: "
                     "proteins of different residue counts cannot share a dataset"
                 )
-        return next(iter(widths.values()))
+        return widths[0]
     field_type = pq.read_schema(list_shards(cfg.path)[0]).field(cfg.input_column).type
     return field_type.list_size if pa.types.is_fixed_size_list(field_type) else None

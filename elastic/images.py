@@ -18,6 +18,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from elastic.data import write_split
+
 EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 
 
@@ -68,12 +70,10 @@ def _in_val(rel_path: str, val_fraction: float, seed: int) -> bool:
 
 
 def _checked_bytes(path: Path) -> bytes:
-    data = path.read_bytes()
+    image, data = _pil(), path.read_bytes()
     try:
-        with _pil().open(io.BytesIO(data)) as im:
+        with image.open(io.BytesIO(data)) as im:
             im.load()  # verify() misses truncated pixel data; load() decodes it all
-    except ImageError:
-        raise
     except Exception as e:  # PIL raises many types for bad files
         raise ImageError(f"{path} does not decode as an image ({e}): fix or remove it") from None
     return data
@@ -108,28 +108,16 @@ def convert(
         b"elastic.format": b"image",
     }
     for split, split_rows in rows.items():
-        # folders are sorted by class: without mixing, every step would see one class
-        order = np.random.default_rng(seed).permutation(len(split_rows))
-        split_rows = [split_rows[j] for j in order]
-        d = out / split
-        d.mkdir(parents=True, exist_ok=True)
-        for old in d.glob("*.parquet"):
-            old.unlink()  # a re-run replaces the whole split
-        n = max(1, min(shards, len(split_rows)))
-        for i, part in enumerate(np.array_split(np.arange(len(split_rows)), n)):
-            chosen = [split_rows[j] for j in part]
-            table = pa.table(
-                {
-                    "sample_id": pa.array([r[0] for r in chosen], pa.int64()),
-                    "image": pa.array([blobs[r[1]] for r in chosen], pa.binary()),
-                    "label": pa.array([r[2] for r in chosen], pa.int32()),
-                    "path": pa.array([r[1] for r in chosen], pa.string()),
-                }
-            ).replace_schema_metadata(meta)
-            final = d / f"part-{i:05d}.parquet"
-            tmp = d / f".{final.name}.tmp"
-            pq.write_table(table, tmp)
-            tmp.replace(final)  # a half-written shard never looks valid
+        table = pa.table(
+            {
+                "sample_id": pa.array([r[0] for r in split_rows], pa.int64()),
+                "image": pa.array([blobs[r[1]] for r in split_rows], pa.binary()),
+                "label": pa.array([r[2] for r in split_rows], pa.int32()),
+                "path": pa.array([r[1] for r in split_rows], pa.string()),
+            }
+        ).replace_schema_metadata(meta)
+        # folders are sorted by class: write_split mixes the rows (seeded)
+        write_split(table, out / split, shards, seed)
     return Converted(len(rows["train"]), len(rows["val"]), classes)
 
 

@@ -20,6 +20,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from elastic.data import write_split
+
 
 class ProteinError(ValueError):
     """A one-line, user-facing problem with a topology, trajectory or reference."""
@@ -166,25 +168,12 @@ def _metadata(residues: int, cutoff: float, selection: str, sources: dict, refs:
     }
 
 
-def _write(out: Path, columns: dict[str, list], meta: dict, shards: int, seed: int = 0) -> None:
+def _write(out: Path, columns: dict[str, list], meta: dict, shards: int) -> None:
     types = {"sample_id": pa.int64(), "trajectory": pa.int32(), "frame": pa.int32()}
     types.update(contacts=pa.binary(), distances=pa.binary())
-    out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("*.parquet"):
-        old.unlink()  # a re-run replaces the split
-    n = len(columns["sample_id"])
-    order = np.random.default_rng(seed).permutation(n)  # frames are in time order: mix them
-    for i, part in enumerate(np.array_split(order, max(1, min(shards, n)))):
-        table = pa.table(
-            {
-                k: pa.array([v[j] for j in part], types.get(k, pa.float32()))
-                for k, v in columns.items()
-            }
-        ).replace_schema_metadata(meta)
-        final = out / f"part-{i:05d}.parquet"
-        tmp = out / f".{final.name}.tmp"
-        pq.write_table(table, tmp)
-        tmp.replace(final)  # a half-written shard never looks valid
+    table = pa.table({k: pa.array(v, types.get(k, pa.float32())) for k, v in columns.items()})
+    # frames come in time order: write_split mixes them (seeded)
+    write_split(table.replace_schema_metadata(meta), out, shards, seed=0)
 
 
 def kabsch_rmsd(a: np.ndarray, b: np.ndarray) -> float:
