@@ -185,6 +185,7 @@ class _Trainer:
         self.train_rows = train_rows  # samples in one epoch of the train split
         self.startup: dict[str, float] = {}
         self.task = cfg.model.task
+        self.classes = getattr(cfg.model, "classes", 0)
         self.device = engine.device
         self.dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
         self.times: dict[str, float] = defaultdict(float)
@@ -317,7 +318,7 @@ class _Trainer:
             strict=True,
         ):
             t0 = time.perf_counter()
-            losses = per_sample_loss(self.task, engine(xs).float(), ys)
+            losses = per_sample_loss(self.task, engine(xs).float(), ys, self.classes)
             loss = losses.sum() * weight
             self._add_time("forward", t0)
             t0 = time.perf_counter()
@@ -434,7 +435,7 @@ class _Trainer:
         if shard is None:
             return {}
         self.engine.eval()
-        sums = MetricSums(self.task, getattr(self.cfg.model, "output_dim", 1))
+        sums = MetricSums(self.task, getattr(self.cfg.model, "output_dim", 1), self.classes)
         stream = StepStream(
             shard_blocks(shard),
             self.plan.micro_batch_size,
@@ -446,7 +447,8 @@ class _Trainer:
                 x = torch.from_numpy(batch.x).to(self.device, self.dtype)
                 y = torch.from_numpy(batch.y).to(self.device)
                 out = self.engine(x).float()
-                sums.add(out.cpu(), y.cpu(), per_sample_loss(self.task, out, y).cpu())
+                losses = per_sample_loss(self.task, out, y, self.classes)
+                sums.add(out.cpu(), y.cpu(), losses.cpu())
         self.engine.train()
         totals = sums.sums.to(self._collective_device)
         dist.all_reduce(totals)
@@ -469,10 +471,12 @@ class _Trainer:
                 "x": np.zeros(shape, np.float32),
                 "y": np.zeros(0, np.int64),
             }
+        outputs = getattr(self.cfg.model, "output_dim", 1)
         return {
             "sample_id": np.zeros(0, np.int64),
-            "x": np.zeros((0, getattr(self.cfg.model, "input_dim", 1)), np.float32),
-            "y": np.zeros((0, getattr(self.cfg.model, "output_dim", 1)), np.float32),
+            "x": np.zeros((0, getattr(self.cfg.model, "input_dim", None) or 1), np.float32),
+            # multitask targets are [class, regressed...]
+            "y": np.zeros((0, outputs - self.classes + bool(self.classes)), np.float32),
         }
 
     def _exactly_once(self) -> bool:

@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-TASKS = ("regression", "classification")
+TASKS = ("regression", "classification", "multitask")
+"""multitask: the target is [class, r_1, ..., r_k]; the model's first ``classes`` outputs
+are class logits, the other ``output_dim - classes`` regress r_1..r_k (loss: cross
+entropy + mean squared error; metrics: accuracy and R^2)."""
 
 
 @dataclass
@@ -70,6 +73,13 @@ class _Block(nn.Module):
         return torch.relu(self.body(x) + self.skip(x))
 
 
+class _LogIntensity(nn.Module):
+    """x (normalised to sum 1 per image) -> log(1 + x * H * W): mean pixel at log 2."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log1p(x * (x.shape[-1] * x.shape[-2]))
+
+
 @dataclass
 class ResNetConfig:
     """A small ResNet on [N, C, H, W] images: a 3x3 stem, one stage per width (each
@@ -80,8 +90,21 @@ class ResNetConfig:
     widths: list[int] = field(default_factory=lambda: [16, 32, 64])
     blocks_per_stage: int = 1
     output_dim: int = 10
-    """Classes (classification) or outputs (regression)."""
+    """Classes (classification), outputs (regression), or classes + outputs (multitask)."""
     task: str = "classification"
+    classes: int = 0
+    """multitask: how many of the outputs are class logits."""
+    input_size: int = 0
+    """Flat array inputs (data.format=array) of in_channels x input_size x input_size
+    values are reshaped to images; 0 = the data are images already."""
+    log_input: bool = False
+    """Feed log(1 + x * H * W): for intensities normalised to sum 1 (diffraction
+    patterns), whose dynamic range spans decades."""
+
+    @property
+    def input_dim(self) -> int | None:
+        """Width of a flat input row, when the model takes flat rows."""
+        return self.in_channels * self.input_size**2 if self.input_size else None
 
     def validate(self) -> None:
         from elastic.config import ConfigError
@@ -96,9 +119,21 @@ class ResNetConfig:
             raise ConfigError(f"model.widths={self.widths} is not valid: one or more, all >= 1")
         if self.task == "classification" and self.output_dim < 2:
             raise ConfigError("model.output_dim must be >= 2 (classes) for classification")
+        if self.task == "multitask" and not 2 <= self.classes < self.output_dim:
+            raise ConfigError(
+                f"model.classes={self.classes} with model.output_dim={self.output_dim} is not "
+                "valid for multitask: classes >= 2 and output_dim = classes + regression outputs"
+            )
+        if self.input_size < 0:
+            raise ConfigError(f"model.input_size={self.input_size} is not valid: use 0 or >= 4")
 
     def build(self) -> nn.Module:
-        layers: list[nn.Module] = [
+        layers: list[nn.Module] = []
+        if self.input_size:
+            layers.append(nn.Unflatten(1, (self.in_channels, self.input_size, self.input_size)))
+        if self.log_input:
+            layers.append(_LogIntensity())
+        layers += [
             nn.Conv2d(self.in_channels, self.widths[0], 3, 1, 1, bias=False),
             nn.GroupNorm(min(8, self.widths[0]), self.widths[0]),
             nn.ReLU(inplace=True),
@@ -115,11 +150,17 @@ class ResNetConfig:
 MODEL_SCHEMAS: dict[str, type] = {"mlp": MLPConfig, "resnet": ResNetConfig}
 
 
-def per_sample_loss(task: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def per_sample_loss(
+    task: str, output: torch.Tensor, target: torch.Tensor, classes: int = 0
+) -> torch.Tensor:
     """Loss of every sample (no reduction): the loop weights them so uneven or partial
     batches still give the exact mean over the samples of a global step."""
     if task == "classification":
         return nn.functional.cross_entropy(output, target.long(), reduction="none")
+    if task == "multitask":
+        ce = nn.functional.cross_entropy(output[:, :classes], target[:, 0].long(), reduction="none")
+        err = output[:, classes:] - target[:, 1:].to(output.dtype)
+        return ce + err.pow(2).mean(dim=1)
     target = target.reshape(output.shape).to(output.dtype)
     return (output - target).pow(2).mean(dim=tuple(range(1, output.dim())))
 
@@ -127,12 +168,12 @@ def per_sample_loss(task: str, output: torch.Tensor, target: torch.Tensor) -> to
 class MetricSums:
     """Additive validation statistics; all-reduce the tensor, then read metrics off it."""
 
-    def __init__(self, task: str, output_dim: int) -> None:
-        self.task = task
-        # regression: n, sum loss, sum y, sum y^2, sum squared error (per output dim)
-        # classification: n, sum loss, correct
-        width = 3 if task == "classification" else 2 + 3 * output_dim
-        self.sums = torch.zeros(width, dtype=torch.float64)
+    def __init__(self, task: str, output_dim: int, classes: int = 0) -> None:
+        self.task, self.classes = task, classes
+        # n, sum loss, correct (classification, multitask), then for each regressed
+        # output: sum y, sum y^2, sum squared error (regression, multitask)
+        self.k = {"classification": 0, "multitask": output_dim - classes}.get(task, output_dim)
+        self.sums = torch.zeros(3 + 3 * self.k, dtype=torch.float64)
 
     def add(self, output: torch.Tensor, target: torch.Tensor, losses: torch.Tensor) -> None:
         out = output.detach().double()
@@ -141,23 +182,28 @@ class MetricSums:
         if self.task == "classification":
             self.sums[2] += (out.argmax(dim=-1) == target.long()).sum()
             return
+        if self.task == "multitask":
+            c = self.classes
+            self.sums[2] += (out[:, :c].argmax(dim=-1) == target[:, 0].long()).sum()
+            out, target = out[:, c:], target[:, 1:]
         o = out.flatten(1) if out.dim() > 1 else out[:, None]
         y = target.double().reshape(o.shape)
-        k = o.shape[1]
-        self.sums[2 : 2 + k] += y.sum(0)
-        self.sums[2 + k : 2 + 2 * k] += (y * y).sum(0)
-        self.sums[2 + 2 * k : 2 + 3 * k] += ((o - y) ** 2).sum(0)
+        k = self.k
+        self.sums[3 : 3 + k] += y.sum(0)
+        self.sums[3 + k : 3 + 2 * k] += (y * y).sum(0)
+        self.sums[3 + 2 * k : 3 + 3 * k] += ((o - y) ** 2).sum(0)
 
     def metrics(self) -> dict[str, float]:
         n = float(self.sums[0])
         if n == 0:
             return {}
         result = {"loss": float(self.sums[1]) / n, "samples": n}
-        if self.task == "classification":
+        if self.task in ("classification", "multitask"):
             result["accuracy"] = float(self.sums[2]) / n
+        if not self.k:
             return result
-        k = (self.sums.shape[0] - 2) // 3
-        sy, syy, sse = self.sums[2 : 2 + k], self.sums[2 + k : 2 + 2 * k], self.sums[2 + 2 * k :]
+        k = self.k
+        sy, syy, sse = self.sums[3 : 3 + k], self.sums[3 + k : 3 + 2 * k], self.sums[3 + 2 * k :]
         sst = syy - sy * sy / n
         # R^2 averaged over output dimensions (sklearn's "uniform_average")
         result["r2"] = float((1 - sse / sst.clamp_min(1e-12)).mean())
