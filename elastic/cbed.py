@@ -157,12 +157,9 @@ def simulate(material: str, positions: int, seed: int, settings: Settings) -> di
     xy = rng.uniform(0, a, size=(positions, 2))
     scan = abtem.CustomScan(xy + a * (nxy // 2))  # probe away from the supercell edge
     with dask.config.set(scheduler="synchronous"):  # one core per Ray task
-        dp = (
-            probe.multislice(potential, scan=scan)
-            .diffraction_patterns(max_angle=s.max_angle_mrad * 1.2)
-            .compute()
-        )
-        one_cell = abtem.Potential(unit, sampling=s.sampling_a, projection="infinite")
+        waves: Any = probe.multislice(potential, scan=scan)
+        dp = waves.diffraction_patterns(max_angle=s.max_angle_mrad * 1.2).compute()
+        one_cell: Any = abtem.Potential(unit, sampling=s.sampling_a, projection="infinite")
         projected = np.asarray(one_cell.project().compute().array, dtype=np.float64)
     patterns = np.asarray(dp.array, dtype=np.float64)[1:]  # [thickness, position, kx, ky]
     thickness_nm = np.arange(1, steps + 1) * cells_per_step * a / 10

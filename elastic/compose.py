@@ -125,17 +125,19 @@ def check_data(cfg: TrainConfig) -> None:
     width = input_width(cfg.data)
     expected = getattr(cfg.model, "input_dim", None)
     if width is not None and expected is not None and width != expected:
-        key = "input_size" if hasattr(cfg.model, "input_size") else "input_dim"
+        key = next(k for k in ("input_size", "residues", "input_dim") if hasattr(cfg.model, k))
         fix = (
             f"delete {cfg.data.path} (and data.val_path) to regenerate it for this model"
             if cfg.data.synthetic is not None
             else f"set model.input_dim={width}"
             if key == "input_dim"
             else f"set model.in_channels x model.input_size^2 = {width}"
+            if key == "input_size"
+            else f"set model.residues to the maps' residue count ({width} contact values)"
         )
         raise ConfigError(
-            f"model.{key} gives inputs of {expected} values but column {cfg.data.input_column!r} in "
-            f"{cfg.data.path} has width {width}: {fix}"
+            f"model.{key} gives inputs of {expected} values but column "
+            f"{cfg.data.input_column!r} in {cfg.data.path} has width {width}: {fix}"
         )
 
 

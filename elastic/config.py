@@ -61,7 +61,12 @@ class DataConfig:
     data.seed, the epoch and the sample_id (the same on any worker, after a resume too);
     0 = no augmentation."""
     seed: int = 0
-    """Seed of the data's randomness (augmentation)."""
+    """Seed of the data's randomness (row order, augmentation)."""
+    shuffle_buffer_rows: int = 1024
+    """Each worker mixes its rows through a buffer of this many decoded rows, in an order
+    fixed by data.seed, the epoch and the worker's rank (a resume at the same world size
+    replays it exactly); a new order every epoch. Memory: rows x decoded row size. 0 =
+    rows in shard order (converters already write rows in a seeded random order)."""
     block_size_mb: float = 1.0
     """Largest Ray Data block. Blocks are the unit the workers' splits are dealt in, so
     small blocks keep the workers' shares even (Ray reads small shards as one block);
@@ -302,6 +307,7 @@ def validate(cfg: TrainConfig) -> None:
     _positive("data.block_size_mb", d.block_size_mb)
     _positive("data.prefetch_mb", d.prefetch_mb)
     _positive("data.cache_mb", d.cache_mb, allow_zero=True)
+    _positive("data.shuffle_buffer_rows", d.shuffle_buffer_rows, allow_zero=True)
     if d.micro_batch_size is not None:
         _positive("data.micro_batch_size", d.micro_batch_size)
     _allowed("scaling.batch_policy", sc.batch_policy, ("strict", "adjust"))

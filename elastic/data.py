@@ -220,6 +220,41 @@ def shard_blocks(shard: Any, prefetch_batches: int = 2) -> Iterator[dict[str, np
     )
 
 
+def shuffled(
+    blocks: Iterator[dict[str, np.ndarray]], buffer_rows: int, seed: int, epoch: int, rank: int
+) -> Iterator[dict[str, np.ndarray]]:
+    """A worker's blocks with their rows mixed through a buffer of ``buffer_rows`` rows,
+    in an order fixed by (``seed``, ``epoch``, ``rank``) and the blocks that came in:
+    the same blocks give the same order (a resume at the same world size replays it, and
+    drops the trained rows after this), the next epoch another. 0 = unchanged.
+
+    The buffer fills to ``buffer_rows``, its rows are permuted and the first half leaves
+    as one block; the rest waits for the next blocks. The tail leaves permuted."""
+    if buffer_rows <= 0:
+        yield from blocks
+        return
+    rng = np.random.default_rng([seed, epoch, rank, 0x5EED])
+    pending: list[dict[str, np.ndarray]] = []
+    rows = 0
+    for block in blocks:
+        n = len(block[ID_COLUMN])
+        if not n:
+            continue
+        pending.append(block)
+        rows += n
+        if rows < buffer_rows:
+            continue
+        merged = {k: np.concatenate([b[k] for b in pending]) for k in pending[0]}
+        order = rng.permutation(rows)
+        out, keep = order[: rows // 2], order[rows // 2 :]
+        yield {k: v[out] for k, v in merged.items()}
+        pending, rows = [{k: v[keep] for k, v in merged.items()}], len(keep)
+    if rows:
+        merged = {k: np.concatenate([b[k] for b in pending]) for k in pending[0]}
+        order = rng.permutation(rows)
+        yield {k: v[order] for k, v in merged.items()}
+
+
 _EPOCH_END = object()
 
 

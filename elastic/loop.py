@@ -22,7 +22,7 @@ from elastic import checkpoint as ckpt
 from elastic.batch import BatchPlan
 from elastic.config import TrainConfig
 from elastic.control import StopPoller, node_drain_probe
-from elastic.data import EpochPrefetcher, StepBatch, StepStream, shard_blocks
+from elastic.data import EpochPrefetcher, StepBatch, StepStream, shard_blocks, shuffled
 from elastic.engine import build_engine, init_distributed, set_base_lr, warm_imports
 from elastic.images import shift_augment
 from elastic.models import MetricSums, per_sample_loss
@@ -186,6 +186,7 @@ class _Trainer:
         self.startup: dict[str, float] = {}
         self.task = cfg.model.task
         self.classes = getattr(cfg.model, "classes", 0)
+        self.beta = getattr(cfg.model, "beta", 1.0)
         self.device = engine.device
         self.dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
         self.times: dict[str, float] = defaultdict(float)
@@ -254,11 +255,15 @@ class _Trainer:
 
     def _epoch_stream(self, prefetcher: EpochPrefetcher) -> StepStream:
         # Resume mid-epoch: skip what the checkpoint's bitmap says the epoch has trained.
-        # At an unchanged world size the split is deterministic and the skipped rows are
-        # exactly each worker's first ones, so the run continues bit for bit.
-        ledger = self.state.ledger
+        # At an unchanged world size the split and the shuffle are deterministic and the
+        # skipped rows are exactly each worker's first ones, so the run continues bit for
+        # bit (the rows are shuffled first, then the trained ones dropped).
+        ledger, d = self.state.ledger, self.cfg.data
+        blocks = shuffled(
+            prefetcher.epoch(), d.shuffle_buffer_rows, d.seed, self.state.epoch, self.rank
+        )
         return StepStream(
-            prefetcher.epoch(),
+            blocks,
             self.plan.per_worker,
             self._all_reduce_count,
             skip_ids=ledger.bitmap if ledger.trained else None,
@@ -306,7 +311,7 @@ class _Trainer:
                 inputs, batch.sample_id, self.state.epoch, d.seed, d.augment_shift
             )
         x = torch.from_numpy(inputs).to(self.device, self.dtype)
-        y = torch.from_numpy(batch.y).to(self.device)
+        y = x if self.task == "vae" else torch.from_numpy(batch.y).to(self.device)
         # Weight per-sample losses so the gradient is the mean over the step's rows on all
         # workers, even when a worker has fewer rows (end of epoch): DeepSpeed divides by
         # the accumulation steps and averages over workers, which this factor undoes.
@@ -318,7 +323,7 @@ class _Trainer:
             strict=True,
         ):
             t0 = time.perf_counter()
-            losses = per_sample_loss(self.task, engine(xs).float(), ys, self.classes)
+            losses = self._losses(engine(xs).float(), ys)
             loss = losses.sum() * weight
             self._add_time("forward", t0)
             t0 = time.perf_counter()
@@ -335,6 +340,9 @@ class _Trainer:
         self._interval[1] += batch.rows
         self._maybe_log()
         self._maybe_checkpoint()
+
+    def _losses(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return per_sample_loss(self.task, output, target, self.classes, self.beta)
 
     def _add_time(self, phase: str, since: float) -> None:
         elapsed = time.perf_counter() - since
@@ -445,9 +453,9 @@ class _Trainer:
         with torch.no_grad():
             for batch in stream:
                 x = torch.from_numpy(batch.x).to(self.device, self.dtype)
-                y = torch.from_numpy(batch.y).to(self.device)
+                y = x if self.task == "vae" else torch.from_numpy(batch.y).to(self.device)
                 out = self.engine(x).float()
-                losses = per_sample_loss(self.task, out, y, self.classes)
+                losses = self._losses(out, y)
                 sums.add(out.cpu(), y.cpu(), losses.cpu())
         self.engine.train()
         totals = sums.sums.to(self._collective_device)

@@ -27,9 +27,7 @@ def read(path):
 
 
 def groups(table):
-    return set(
-        zip(table["material"].to_pylist(), table["thickness_nm"].to_pylist(), strict=True)
-    )
+    return set(zip(table["material"].to_pylist(), table["thickness_nm"].to_pylist(), strict=True))
 
 
 def test_simulated_patterns_schema_labels_and_held_out_groups(tmp_path):
@@ -64,7 +62,7 @@ def test_simulated_patterns_schema_labels_and_held_out_groups(tmp_path):
     structure = t["structure"].to_numpy()
     assert all(STRUCTURES[s] == MATERIALS[m][0] for m, s in zip(mats, structure, strict=True))
     thick = t["thickness_nm"].to_numpy()
-    assert 0 < thick.min() and thick.max() <= 6.5
+    assert thick.min() > 0 and thick.max() <= 6.5
     target = np.stack(t["target"].to_numpy(zero_copy_only=False))
     np.testing.assert_array_equal(target[:, 0], structure)
     np.testing.assert_allclose(target[:, 1], thick / THICKNESS_UNIT_NM, rtol=1e-6)
