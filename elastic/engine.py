@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import threading
@@ -66,30 +67,39 @@ def _skip_shm_comm_op() -> None:
     """DeepSpeed JIT-compiles a shared-memory op for CPU all-reduce at init (27-57 s and
     ~2 GB of compiler memory on a fresh machine). Only its inference all-reduce uses it;
     training collectives go through torch.distributed (gloo), so we skip the build."""
-    import deepspeed.comm.torch as ds_torch
+    # not "import deepspeed.comm.torch as m": that reads the attribute ``torch`` of
+    # deepspeed.comm, which is the torch package itself, so the patch would miss
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    if not hasattr(ds_torch, "build_shm_op"):
+        raise RuntimeError("deepspeed.comm.torch.build_shm_op is gone: update _skip_shm_comm_op")
+    ds_torch.build_shm_op = lambda: None
 
-    if hasattr(ds_torch, "build_shm_op"):
-        ds_torch.build_shm_op = lambda: None
 
-
-def warm_imports() -> None:
+def warm_imports() -> threading.Thread:
     """Import, in the background, what building the engine would import on the spot:
-    torch's compiler stack (the optimizer constructor pulls it in) and DeepSpeed's Muon
-    module (its optimizer check does), ~2.8 s on a fresh worker. A (re)starting worker
-    spends that long waiting for Ray Data and the other ranks anyway."""
+    DeepSpeed, torch's compiler stack (the optimizer constructor pulls it in) and
+    DeepSpeed's Muon module (its optimizer check does), ~2.8 s on a fresh worker, while
+    the worker reads its checkpoint and starts its data pipeline. Join the thread before
+    importing any of these yourself: two threads importing DeepSpeed's circular imports
+    at once fail ("partially initialized module") or deadlock (both seen here)."""
 
     def run() -> None:
         try:
+            import deepspeed  # noqa: F401
             import torch._dynamo  # noqa: F401
             from deepspeed.runtime.zero.muon import muon_optimizer  # noqa: F401
         except Exception:  # only a head start: the real import reports any problem
             pass
 
-    threading.Thread(target=run, name="elastic-warm-imports", daemon=True).start()
+    thread = threading.Thread(target=run, name="elastic-warm-imports", daemon=True)
+    thread.start()
+    return thread
 
 
-def init_distributed(use_gpu: bool) -> None:
+def init_distributed(use_gpu: bool, warming: threading.Thread | None = None) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if use_gpu else "cpu")
+    if warming is not None:
+        warming.join()  # never import DeepSpeed in two threads at once
     import deepspeed
 
     if not use_gpu:

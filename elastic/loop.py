@@ -47,7 +47,7 @@ def train_loop(config: dict[str, Any]) -> None:
     )
 
     started = time.perf_counter()
-    warm_imports()
+    warming = warm_imports()
     with contextlib.ExitStack() as stack:
         resume_from = ray.train.get_checkpoint()
         path = stack.enter_context(resume_from.as_directory()) if resume_from else None
@@ -61,7 +61,7 @@ def train_loop(config: dict[str, Any]) -> None:
             cache=config["cache_train"],
         )
         marks = {"data_s": time.perf_counter()}
-        init_distributed(cfg.scaling.use_gpu)
+        init_distributed(cfg.scaling.use_gpu, warming)
         marks["distributed_s"] = time.perf_counter()
         _seed_everything(cfg.trainer.seed)
         model = cfg.model.build()
