@@ -69,7 +69,7 @@ def _skip_shm_comm_op() -> None:
     training collectives go through torch.distributed (gloo), so we skip the build."""
     # not "import deepspeed.comm.torch as m": that reads the attribute ``torch`` of
     # deepspeed.comm, which is the torch package itself, so the patch would miss
-    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    ds_torch: Any = importlib.import_module("deepspeed.comm.torch")
     if not hasattr(ds_torch, "build_shm_op"):
         raise RuntimeError("deepspeed.comm.torch.build_shm_op is gone: update _skip_shm_comm_op")
     ds_torch.build_shm_op = lambda: None
