@@ -21,6 +21,7 @@ class RunControl:
 
     def __init__(self) -> None:
         self._stop_reason: str | None = None
+        self._fatal: str | None = None
         self._starts: list[int] = []
 
     def request_stop(self, reason: str) -> None:
@@ -28,6 +29,14 @@ class RunControl:
 
     def stop_reason(self) -> str | None:
         return self._stop_reason
+
+    def fail(self, message: str) -> None:
+        """A worker hit an error retrying cannot fix (a bad row): the driver ends the
+        run with this message instead of restarting the worker group."""
+        self._fatal = self._fatal or message
+
+    def fatal(self) -> str | None:
+        return self._fatal
 
     def register_start(self, world_size: int) -> list[int]:
         """World sizes of every worker group start of this fit(), this one last."""

@@ -27,6 +27,34 @@ from elastic.config import ConfigError, DataConfig
 ID_COLUMN = "sample_id"
 
 
+class DataError(ValueError):
+    """A dataset row that cannot be used, found while training (an image that does not
+    decode, a contact map of another size): the run stops at once with this one line,
+    since retrying cannot help. The last complete checkpoint is kept."""
+
+
+def data_error(exc: BaseException) -> str | None:
+    """The message of a :class:`DataError` anywhere in ``exc``'s chain (Ray wraps the
+    decode task's exception on its way to the worker), else None."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        # by the time it reaches the worker, the DataError may only survive as text in
+        # the traceback Ray carries (a UserCodeException from the map task)
+        for line in reversed(str(e).strip().splitlines()):
+            _, sep, message = line.partition("DataError: ")
+            if sep:
+                return message.strip()
+        if isinstance(e, DataError):
+            return str(e).strip().splitlines()[-1]
+        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+    return None
+
+
 def list_shards(path: str, key: str = "data.path") -> list[str]:
     """The sorted ``.parquet`` files of a directory, or a ConfigError naming the key."""
     if not os.path.exists(path):
@@ -158,10 +186,11 @@ def build_datasets(cfg: DataConfig, splits: dict[str, Split], max_workers: int) 
         # ~0.15 s (measured here). We already list and check the shards ourselves.
         ctx = ray.data.DataContext.get_current()
         use_v2, ctx.use_datasource_v2 = ctx.use_datasource_v2, False
+        columns = [ID_COLUMN, cfg.input_column, cfg.target_column]
+        if cfg.format == "image" and "path" in pq.read_schema(split.files[0]).names:
+            columns.append("path")  # the source image's name, for a decode error
         try:
-            ds = ray.data.read_parquet(
-                split.files, columns=[ID_COLUMN, cfg.input_column, cfg.target_column]
-            )
+            ds = ray.data.read_parquet(split.files, columns=columns)
         finally:
             ctx.use_datasource_v2 = use_v2
         ds.context.target_max_block_size = block_bytes(split.bytes, cfg.block_size_mb, max_workers)

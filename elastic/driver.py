@@ -13,7 +13,14 @@ from typing import Any
 
 from elastic.config import TrainConfig
 from elastic.control import start_control
-from elastic.data import Split, build_datasets, check_dataset, data_config, fits_cache
+from elastic.data import (
+    DataError,
+    Split,
+    build_datasets,
+    check_dataset,
+    data_config,
+    fits_cache,
+)
 from elastic.tracking import HISTORY_FILE
 
 
@@ -49,8 +56,11 @@ def _interruptible(trainer_cls: type) -> type:
 
     class Trainer(trainer_cls):
         interrupted = False
+        controller: Any = None
 
         def _register_sigint_handler(self, controller: Any) -> None:
+            Trainer.controller = controller
+
             def handler(signum: int, frame: Any) -> None:
                 Trainer.interrupted = True
                 controller.abort.remote()
@@ -132,7 +142,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
             dataset_config=data_config(),
             torch_config=TorchConfig(backend="nccl" if sc.use_gpu else "gloo"),
         )
-        with _stop_on_signals(control):
+        with _stop_on_signals(control), _end_on_data_error(control, trainer):
             result = trainer.fit()
     metrics = result.metrics or {}
     events = read_events(out)
@@ -150,6 +160,46 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     }
     summary.setdefault("wandb_dir", None)
     return summary
+
+
+@contextmanager
+def _end_on_data_error(control: Any, trainer: Any) -> Iterator[None]:
+    """A worker that hits a bad row (:class:`DataError`) tells the control actor; the
+    run is aborted rather than restarted (the row would fail every retry) and fit()'s
+    caller gets the DataError, one line naming the row. Checkpoints already written stay."""
+    import ray
+
+    done = threading.Event()
+    found: list[str] = []
+
+    def watch() -> None:
+        while not done.wait(1.0):
+            try:
+                message = ray.get(control.fatal.remote(), timeout=10)
+            except Exception:  # the run is ending; fit() reports what happened
+                return
+            if message:
+                found.append(message)
+                if trainer.controller is not None:
+                    trainer.controller.abort.remote()
+                return
+
+    watcher = threading.Thread(target=watch, name="elastic-data-errors", daemon=True)
+    watcher.start()
+    try:
+        yield
+    except Exception:
+        if not found:
+            message = ray.get(control.fatal.remote())
+            if message:
+                found.append(message)
+        if not found:
+            raise
+    finally:
+        done.set()
+        watcher.join()
+    if found:
+        raise DataError(found[0])
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

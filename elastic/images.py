@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from elastic.data import write_split
+from elastic.data import DataError, write_split
 
 EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 
@@ -138,7 +138,11 @@ def decode_images(
                 a = np.asarray(im, dtype=np.float32)
         except Exception as e:
             sid = batch["sample_id"][i].as_py()
-            raise ImageError(f"sample_id {sid} does not decode as an image ({e})") from None
+            source = f" (source {batch['path'][i].as_py()})" if "path" in batch.column_names else ""
+            raise DataError(
+                f"sample_id {sid}{source} does not decode as an image ({e}): re-convert the "
+                "dataset without it (datasets/images/prepare.py checks every image)"
+            ) from None
         x[i] = a[None] if channels == 1 else a.transpose(2, 0, 1)
     x = x / 255.0 - 0.5
     return {

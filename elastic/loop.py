@@ -22,7 +22,14 @@ from elastic import checkpoint as ckpt
 from elastic.batch import BatchPlan
 from elastic.config import TrainConfig
 from elastic.control import StopPoller, node_drain_probe
-from elastic.data import EpochPrefetcher, StepBatch, StepStream, shard_blocks, shuffled
+from elastic.data import (
+    EpochPrefetcher,
+    StepBatch,
+    StepStream,
+    data_error,
+    shard_blocks,
+    shuffled,
+)
 from elastic.engine import build_engine, init_distributed, set_base_lr, warm_imports
 from elastic.images import shift_augment
 from elastic.models import MetricSums, per_sample_loss
@@ -103,9 +110,16 @@ def train_loop(config: dict[str, Any]) -> None:
     )
     trainer.startup = {"since": started, **startup}
     val_shard = ray.train.get_dataset_shard("val") if cfg.data.val_path else None
-    trainer.train(prefetcher, val_shard)
-    # a preempted run checkpoints and goes: validation would eat into the grace period
-    val = {} if trainer.stop_reason == "preempted" else trainer.validate(val_shard)
+    try:
+        trainer.train(prefetcher, val_shard)
+        # a preempted run checkpoints and goes: validation would eat into the grace period
+        val = {} if trainer.stop_reason == "preempted" else trainer.validate(val_shard)
+    except Exception as e:
+        message = data_error(e)
+        if message is not None and control is not None:
+            # a bad row fails again on every retry: the driver ends the run instead
+            ray.get(control.fail.remote(message))
+        raise
     trainer.finish(val)
     tracker.finish()
     dist.barrier()

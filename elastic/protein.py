@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from elastic.data import write_split
+from elastic.data import DataError, write_split
 
 
 class ProteinError(ValueError):
@@ -251,7 +251,10 @@ def decode_contacts(
         column.offset : column.offset + n + 1
     ]
     if n and not np.all(np.diff(offsets) == nbytes):
-        raise ValueError(f"contact maps of different sizes in one batch (expected {nbytes} bytes)")
+        raise DataError(
+            f"contact maps of different sizes in one batch (expected {nbytes} bytes a map): "
+            "every shard of a dataset needs the same protein"
+        )
     packed = (
         flat[offsets[0] : offsets[0] + n * nbytes].reshape(n, nbytes)
         if n

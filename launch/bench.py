@@ -3,6 +3,7 @@
     python launch/bench.py overhead [--rounds 3] [--steps 220] [--zero-stage 0]
     python launch/bench.py recovery [--rounds 1]
     python launch/bench.py chaos [--seed 0] [--epochs 20]
+    python launch/bench.py ingest [--rounds 2] [--epochs 3]
 
 overhead: steady-state step time of the smoke experiment through ``elastic`` (Ray Train
 + DeepSpeed + streamed Parquet) vs plain ``torchrun --nproc-per-node 2`` DDP on the same
@@ -14,6 +15,16 @@ a worker SIGKILL / a node kill / a node joining to the first training step after
 with elastic's recovery defaults and, as the peer, with Ray Train's own defaults; and
 the checkpoint share of the smoke run's wall time at the default interval. Writes
 bench-recovery.json.
+
+ingest: rows/s delivered into 2 Ray Train workers by elastic's pipeline (read_parquet ->
+decode in map_batches -> streaming split -> read-ahead -> shuffle buffer -> per-step
+batches with the row-count all-reduce; no model) vs a torch DataLoader with 2 worker
+processes reading the same shards with pyarrow and the same decode functions, into one
+process. Per dataset (synthetic arrays, images, protein contact maps, CBED patterns, at
+scale from their synthetic generators), alternated, rounds take turns going first; the
+ratio is of the medians. Then the data-wait share of step time of each dataset's
+experiment (steady state: the log intervals after the first step). Writes
+bench-ingest.json.
 
 chaos: one run with 10 random worker kills, 2 node removals and 2 node additions, beside
 a clean run with the same seed; exactly-once samples and the final validation loss.
@@ -33,6 +44,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch.utils.data
 
 REPO = Path(__file__).resolve().parent.parent
 WARMUP_STEPS = 20
@@ -411,6 +424,268 @@ def _chaos_run(workdir: str, label: str, overrides: list[str], actions: list[str
     }
 
 
+# -- ingest: elastic's data path vs a torch DataLoader ---------------------------------
+
+INGEST_DATASETS = {
+    # name: (experiment, DataConfig overrides, what the rows are)
+    "synthetic": ("smoke", {}, "float32[256] + target[16]"),
+    "images": ("images_resnet", {"image_size": 32}, "32x32 PNG bytes, decoded + resized"),
+    "protein": ("protein_cvae", {}, "214-residue contact maps, 22,791 bits unpacked"),
+    "cbed": ("cbed_cnn", {}, "float32[64x64] patterns"),
+}
+
+
+def _ingest_data(root: Path) -> dict[str, object]:
+    """Each dataset at scale from its synthetic generator (same schema as the real one)
+    and its DataConfig, written once under ``root``."""
+    from elastic.compose import compose, typed_config
+
+    made = {}
+    for name, (experiment, extra, _) in INGEST_DATASETS.items():
+        d = root / name
+        if not (d / "train").is_dir():
+            if name == "synthetic":
+                from elastic.synthetic import generate
+
+                generate(str(d / "train"), None, 65536, 0, 16, 256, 16, seed=0)
+            elif name == "images":
+                from elastic.images import convert, synthetic_folders
+
+                synthetic_folders(d / "raw", 20000, 10, 32, seed=0)
+                convert(d / "raw", d, val_fraction=0.0, shards=16)
+            elif name == "protein":
+                from elastic.protein import synthetic
+
+                synthetic(d / "train", 4000, shards=16)
+            else:
+                from elastic.cbed import synthetic
+
+                synthetic(d, 16000, val_fraction=0.0, shards=16)
+        cfg, exp = compose([f"+experiment={experiment}", f"data.path={d}/train"])
+        data = typed_config(cfg, exp).data
+        data.val_path = None
+        for key, value in extra.items():
+            setattr(data, key, value)
+        made[name] = data
+    return made
+
+
+def _consume(config: dict) -> None:
+    """A Ray Train worker that only takes its rows, step by step, the way the training
+    loop does (read-ahead, shuffle buffer, lock-step row counts)."""
+    import numpy as np
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    from elastic.data import EpochPrefetcher, StepStream, shuffled
+
+    data, epochs, rows_per_step = config["data"], config["epochs"], config["rows_per_step"]
+    rank = ray.train.get_context().get_world_rank()
+    prefetcher = EpochPrefetcher(
+        ray.train.get_dataset_shard("train"), int(data.prefetch_mb * 2**20), epochs=epochs
+    )
+
+    def count(rows: int) -> int:
+        t = torch.tensor([rows], dtype=torch.int64)
+        dist.all_reduce(t)
+        return int(t[0])
+
+    rows = 0
+    start = None
+    for epoch in range(epochs):
+        blocks = shuffled(prefetcher.epoch(), data.shuffle_buffer_rows, data.seed, epoch, rank)
+        for batch in StepStream(blocks, rows_per_step, count):
+            if start is None:  # from the first batch: not Ray Train's start-up
+                start = time.perf_counter()
+                first = batch.global_rows
+            else:
+                rows += batch.global_rows
+            np.add.reduce(batch.x.reshape(batch.rows, -1)[:, :1])  # touch the rows
+    prefetcher.close()
+    elapsed = time.perf_counter() - (start or time.perf_counter())
+    ray.train.report({"rows": rows, "seconds": elapsed, "first_step_rows": first})
+
+
+def _elastic_ingest(data, epochs: int, workdir: str) -> float:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from elastic.cluster import WORKER_ENV
+    from elastic.data import build_datasets, check_dataset, data_config
+
+    splits = check_dataset(data)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        object_store_memory=512 * 2**20,
+        include_dashboard=False,
+        runtime_env={"env_vars": dict(WORKER_ENV)},
+        log_to_driver=False,
+    )
+    try:
+        import ray.data
+
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        trainer = TorchTrainer(
+            _consume,
+            train_loop_config={
+                "data": data,
+                "epochs": epochs,
+                "rows_per_step": data.global_batch_size // 2,
+            },
+            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(name=f"ingest-{time.time_ns()}", storage_path=workdir),
+            datasets=build_datasets(data, splits, 2),
+            dataset_config=data_config(),
+            torch_config=TorchConfig(backend="gloo"),
+        )
+        m = trainer.fit().metrics
+    finally:
+        ray.shutdown()
+    return m["rows"] / m["seconds"]
+
+
+class _ShardBatches(torch.utils.data.IterableDataset):
+    """Each DataLoader worker reads its share of the files with
+    pyarrow and yields decoded batches (the same decode functions as elastic's)."""
+
+    def __init__(self, data, batch_rows: int) -> None:
+        from elastic.data import list_shards
+
+        self.data, self.batch_rows, self.files = data, batch_rows, list_shards(data.path)
+
+    def __iter__(self):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from elastic.data import decode_batch
+
+        d = self.data
+        info = torch.utils.data.get_worker_info()
+        files = self.files[info.id :: info.num_workers] if info else self.files
+        kwargs = {"input_column": d.input_column, "target_column": d.target_column}
+        decode = decode_batch
+        if d.format == "image":
+            from elastic.images import decode_images
+
+            decode = decode_images
+            kwargs.update(size=d.image_size, channels=d.image_channels)
+        elif d.format == "contacts":
+            from elastic.protein import contact_width, decode_contacts
+
+            decode = decode_contacts
+            kwargs.update(width=contact_width(files[0]))
+        columns = ["sample_id", d.input_column, d.target_column]
+        for f in files:
+            for rb in pq.ParquetFile(f).iter_batches(self.batch_rows, columns=columns):
+                yield decode(pa.Table.from_batches([rb]), **kwargs)
+
+
+def _dataloader_ingest(data, epochs: int) -> float:
+    import numpy as np
+
+    loader = torch.utils.data.DataLoader(
+        _ShardBatches(data, data.global_batch_size),
+        batch_size=None,
+        num_workers=2,
+        prefetch_factor=4,
+        persistent_workers=True,
+    )
+    rows, start = 0, None
+    for _ in range(epochs):
+        for batch in loader:
+            if start is None:
+                start = time.perf_counter()
+            else:
+                rows += len(batch["sample_id"])
+            np.add.reduce(np.asarray(batch["x"]).reshape(len(batch["x"]), -1)[:, :1])
+    return rows / (time.perf_counter() - (start or time.perf_counter()))
+
+
+def _steady_data_wait(experiment: str, data, steps: int, workdir: str) -> dict:
+    """Train the dataset's experiment for ``steps`` on the bench data; the data-wait
+    share of step time over the log intervals after the first step (the first holds the
+    pipeline's start) and over the whole run."""
+    name = f"ingest-wait-{time.time_ns()}"
+    out = Path(workdir) / name
+    cmd = [
+        sys.executable, str(REPO / "launch/run.py"), f"+experiment={experiment}",
+        f"data.path={data.path}", "data.val_path=null", f"trainer.max_steps={steps}",
+        "trainer.log_every_steps=10", "checkpoint.every_steps=0", "logger=none",
+        f"run.storage_path={workdir}", f"run.name={name}", f"hydra.run.dir={out}/hydra",
+    ]  # fmt: skip
+    if data.format == "image":
+        cmd.append(f"data.image_size={data.image_size}")
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    summary = json.loads((out / "hydra" / "summary.json").read_text())
+    recs = [
+        r for r in map(json.loads, (out / "metrics.jsonl").open()) if "train/data_wait_share" in r
+    ]
+    waited = total = 0.0
+    for a, b in zip(recs[:-1], recs[1:], strict=True):
+        if a["step"] >= 1:
+            dt = b["time"] - a["time"]
+            waited += b["train/data_wait_share"] * dt
+            total += dt
+    return {
+        "steady": waited / total if total else None,
+        "whole_run": summary["time_breakdown"]["data_wait"],
+        "samples_per_s": summary["samples_per_s"],
+    }
+
+
+def ingest(args: argparse.Namespace) -> dict:
+    root = Path(args.data_dir)
+    datasets = _ingest_data(root)
+    workdir = tempfile.mkdtemp(prefix="elastic-bench-")
+    report: dict = {"datasets": {}, "target_ratio": 1.0, "target_data_wait": 0.05}
+    try:
+        for name, data in datasets.items():
+            if args.only and name not in args.only:
+                continue
+            rounds = []
+            for r in range(args.rounds):
+                result = {}
+                order = ["elastic", "dataloader"] if r % 2 == 0 else ["dataloader", "elastic"]
+                for who in order:
+                    if who == "elastic":
+                        result[who] = _elastic_ingest(data, args.epochs, workdir)
+                    else:
+                        result[who] = _dataloader_ingest(data, args.epochs)
+                rounds.append(result)
+                print(
+                    f"{name} round {r + 1}: elastic {result['elastic']:,.0f} rows/s, "
+                    f"DataLoader {result['dataloader']:,.0f} rows/s",
+                    flush=True,
+                )
+            el = statistics.median(x["elastic"] for x in rounds)
+            dl = statistics.median(x["dataloader"] for x in rounds)
+            experiment = INGEST_DATASETS[name][0]
+            wait = _steady_data_wait(experiment, data, args.wait_steps, workdir)
+            report["datasets"][name] = {
+                "rows": INGEST_DATASETS[name][2],
+                "elastic_rows_per_s": el,
+                "dataloader_rows_per_s": dl,
+                "ratio": el / dl,
+                "rounds": rounds,
+                "experiment": experiment,
+                "data_wait": wait,
+            }
+            print(
+                f"{name}: elastic {el:,.0f} rows/s vs DataLoader {dl:,.0f} rows/s: ratio "
+                f"{el / dl:.2f} (target >= 1.0); {experiment} data wait "
+                f"{100 * (wait['steady'] or 0):.1f}% of step time in steady state, "
+                f"{100 * wait['whole_run']:.1f}% over the whole run (target <= 5%)",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report["setup"] = {"epochs": args.epochs, "rounds": args.rounds, "cpus": os.cpu_count()}
+    return report
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="bench", required=True)
@@ -429,8 +704,15 @@ def main() -> None:
     c = sub.add_parser("chaos", help="random kills, removals and additions vs a clean run")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--epochs", type=int, default=20)
+    i = sub.add_parser("ingest", help="rows/s into 2 workers vs a torch DataLoader")
+    i.add_argument("--rounds", type=int, default=2)
+    i.add_argument("--epochs", type=int, default=3)
+    i.add_argument("--wait-steps", type=int, default=100)
+    i.add_argument("--data-dir", default="data/bench-ingest", help="generated once, reused")
+    i.add_argument("--only", nargs="*", choices=sorted(INGEST_DATASETS), help="some datasets")
     args = p.parse_args()
-    report = {"overhead": overhead, "recovery": recovery, "chaos": chaos}[args.bench](args)
+    benches = {"overhead": overhead, "recovery": recovery, "chaos": chaos, "ingest": ingest}
+    report = benches[args.bench](args)
     out = Path(f"bench-{args.bench}.json")
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out.resolve()}")

@@ -21,6 +21,7 @@ register_schemas()
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(cfg: DictConfig) -> None:
+    from elastic.data import DataError
     from elastic.driver import train, write_summary
 
     hc = HydraConfig.get()
@@ -28,7 +29,10 @@ def main(cfg: DictConfig) -> None:
         typed = typed_config(cfg, hc.runtime.choices.get("experiment") or "", hc.runtime.output_dir)
     except ConfigError as e:
         fail(str(e))
-    summary = train(typed, plain(cfg))
+    try:
+        summary = train(typed, plain(cfg))
+    except DataError as e:
+        fail(f"{e} (data.path={typed.data.path}; the last complete checkpoint is kept)")
     path = write_summary(summary, typed.run.output_dir)
     print(
         f"[elastic] {summary['status']}: {summary.get('steps')} steps, "

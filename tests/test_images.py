@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -181,3 +182,43 @@ def test_digits_train_a_resnet_that_generalises(tmp_path, ray_session):
     assert summary["samples_exactly_once"] is True
     meta = pq.read_schema(sorted((tmp_path / "digits/train").glob("*.parquet"))[0]).metadata
     assert json.loads(meta[b"elastic.classes"]) == [str(d) for d in range(10)]
+
+
+def test_an_image_that_does_not_decode_at_train_time_ends_the_run_in_one_line(tmp_path):
+    """Shards written by something else than the converter (which decodes every image)
+    can hold a broken image: the run stops at the first step that meets it, with one
+    line naming the sample and its source file, exit 2, no restarts."""
+    write_tree(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "out", val_fraction=0.0, shards=2)
+    shard = sorted((tmp_path / "out/train").glob("*.parquet"))[0]
+    t = pq.read_table(shard)
+    images = t["image"].to_pylist()
+    images[3] = images[3][:40]  # truncated: the PNG header survives, the pixels do not
+    broken = t.set_column(t.schema.get_field_index("image"), "image", pa.array(images))
+    pq.write_table(broken.replace_schema_metadata(t.schema.metadata), shard)
+    sid, source = t["sample_id"][3].as_py(), t["path"][3].as_py()
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch/run.py"),
+            "+experiment=images_resnet",
+            f"data.path={tmp_path}/out/train",
+            "data.val_path=null",
+            "data.image_size=16",
+            "data.global_batch_size=8",
+            "trainer.max_steps=20",
+            "logger=none",
+            f"run.storage_path={tmp_path}/runs",
+            f"hydra.run.dir={tmp_path}/hydra",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=240,
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out.stderr[-3000:]
+    assert f"sample_id {sid} (source {source}) does not decode as an image" in errors[0]
+    assert f"data.path={tmp_path}/out/train" in errors[0]
+    assert "Error count: 2" not in out.stdout + out.stderr  # not retried
