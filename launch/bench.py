@@ -435,13 +435,14 @@ INGEST_DATASETS = {
 }
 
 
-def _ingest_data(root: Path) -> dict[str, object]:
+def _ingest_data(root: Path, names: list[str]) -> dict[str, object]:
     """Each dataset at scale from its synthetic generator (same schema as the real one)
     and its DataConfig, written once under ``root``."""
     from elastic.compose import compose, typed_config
 
     made = {}
-    for name, (experiment, extra, _) in INGEST_DATASETS.items():
+    for name in names:
+        experiment, extra, _ = INGEST_DATASETS[name]
         d = root / name
         if not (d / "train").is_dir():
             if name == "synthetic":
@@ -461,7 +462,8 @@ def _ingest_data(root: Path) -> dict[str, object]:
                 from elastic.cbed import synthetic
 
                 synthetic(d, 16000, val_fraction=0.0, shards=16)
-        cfg, exp = compose([f"+experiment={experiment}", f"data.path={d}/train"])
+        overrides = [f"+experiment={experiment}", f"data.path={d}/train", "data.val_path=null"]
+        cfg, exp = compose(overrides)
         data = typed_config(cfg, exp).data
         data.val_path = None
         for key, value in extra.items():
@@ -498,13 +500,13 @@ def _consume(config: dict) -> None:
         for batch in StepStream(blocks, rows_per_step, count):
             if start is None:  # from the first batch: not Ray Train's start-up
                 start = time.perf_counter()
-                first = batch.global_rows
             else:
                 rows += batch.global_rows
             np.add.reduce(batch.x.reshape(batch.rows, -1)[:, :1])  # touch the rows
     prefetcher.close()
     elapsed = time.perf_counter() - (start or time.perf_counter())
-    ray.train.report({"rows": rows, "seconds": elapsed, "first_step_rows": first})
+    if rank == 0:  # Ray Train 2.60 keeps only metrics reported with a checkpoint
+        Path(config["out"]).write_text(json.dumps({"rows": rows, "seconds": elapsed}))
 
 
 def _elastic_ingest(data, epochs: int, workdir: str) -> float:
@@ -516,6 +518,7 @@ def _elastic_ingest(data, epochs: int, workdir: str) -> float:
     from elastic.data import build_datasets, check_dataset, data_config
 
     splits = check_dataset(data)
+    out = Path(workdir) / f"ingest-{time.time_ns()}.json"
     ray.init(
         address="local",
         num_cpus=4,
@@ -534,6 +537,7 @@ def _elastic_ingest(data, epochs: int, workdir: str) -> float:
                 "data": data,
                 "epochs": epochs,
                 "rows_per_step": data.global_batch_size // 2,
+                "out": str(out),
             },
             scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
             run_config=RunConfig(name=f"ingest-{time.time_ns()}", storage_path=workdir),
@@ -541,9 +545,10 @@ def _elastic_ingest(data, epochs: int, workdir: str) -> float:
             dataset_config=data_config(),
             torch_config=TorchConfig(backend="gloo"),
         )
-        m = trainer.fit().metrics
+        trainer.fit()
     finally:
         ray.shutdown()
+    m = json.loads(out.read_text())
     return m["rows"] / m["seconds"]
 
 
@@ -583,12 +588,17 @@ class _ShardBatches(torch.utils.data.IterableDataset):
                 yield decode(pa.Table.from_batches([rb]), **kwargs)
 
 
+def _as_is(batch):
+    return batch
+
+
 def _dataloader_ingest(data, epochs: int) -> float:
     import numpy as np
 
     loader = torch.utils.data.DataLoader(
         _ShardBatches(data, data.global_batch_size),
         batch_size=None,
+        collate_fn=_as_is,  # numpy batches as they are, like elastic's
         num_workers=2,
         prefetch_factor=4,
         persistent_workers=True,
@@ -638,13 +648,11 @@ def _steady_data_wait(experiment: str, data, steps: int, workdir: str) -> dict:
 
 def ingest(args: argparse.Namespace) -> dict:
     root = Path(args.data_dir)
-    datasets = _ingest_data(root)
+    datasets = _ingest_data(root, args.only or list(INGEST_DATASETS))
     workdir = tempfile.mkdtemp(prefix="elastic-bench-")
     report: dict = {"datasets": {}, "target_ratio": 1.0, "target_data_wait": 0.05}
     try:
         for name, data in datasets.items():
-            if args.only and name not in args.only:
-                continue
             rounds = []
             for r in range(args.rounds):
                 result = {}
