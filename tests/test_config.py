@@ -40,6 +40,11 @@ def test_every_experiment_composes_and_validates(experiment, tmp_path):
 
         synthetic(tmp_path / "protein", frames=8, shards=1)
         data = [f"data.path={tmp_path}/protein", "data.val_path=null"]
+    if experiment.startswith("cbed"):
+        from elastic.cbed import Settings, synthetic
+
+        synthetic(tmp_path / "cbed", 8, Settings(), val_fraction=0.0, shards=1)
+        data = [f"data.path={tmp_path}/cbed/train", "data.val_path=null"]
     cfg, name = compose([f"+experiment={experiment}", f"run.storage_path={tmp_path}", *data])
     typed = typed_config(cfg, name)
     assert isinstance(typed, TrainConfig)
