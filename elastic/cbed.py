@@ -13,7 +13,6 @@ extra (abTEM, ASE); :func:`synthetic` writes the same schema without them.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from elastic.data import write_split
+from elastic.data import in_val, write_split
 
 STRUCTURES = ("diamond", "fcc", "bcc", "rocksalt", "zincblende", "perovskite")
 # material -> (structure type, lattice constant in A); all cubic, viewed along [001]
@@ -209,13 +208,6 @@ def to_table(columns: dict[str, Any], first_id: int, settings: Settings) -> pa.T
     ).replace_schema_metadata(settings.metadata())
 
 
-def in_val(material: str, thickness_nm: float, val_fraction: float, seed: int) -> bool:
-    """Held-out (material, thickness) groups: a group's split depends only on the group
-    and the seed, so no pattern of a validation group is ever trained on."""
-    h = hashlib.sha256(f"{seed}:{material}:{thickness_nm:.3f}".encode()).digest()
-    return int.from_bytes(h[:8], "little") / 2**64 < val_fraction
-
-
 def write_dataset(
     tables: list[pa.Table], out: str | Path, val_fraction: float, shards: int, seed: int
 ) -> tuple[int, int]:
@@ -223,8 +215,12 @@ def write_dataset(
     table = pa.concat_tables(tables)
     mats = table["material"].to_pylist()
     thick = table["thickness_nm"].to_numpy()
+    # held-out (material, thickness) groups: no pattern of a validation group is trained on
     val = np.array(
-        [in_val(m, float(t), val_fraction, seed) for m, t in zip(mats, thick, strict=True)]
+        [
+            in_val(f"{m}:{float(t):.3f}", val_fraction, seed)
+            for m, t in zip(mats, thick, strict=True)
+        ]
     )
     out = Path(out)
     write_split(table.filter(pa.array(~val)), out / "train", shards, seed)

@@ -9,6 +9,7 @@ share of the epoch runs out early still take part in every collective.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import queue
 import threading
@@ -71,6 +72,13 @@ def list_shards(path: str, key: str = "data.path") -> list[str]:
             f"{key}={path} holds no .parquet files: prepare the dataset there or fix the path"
         )
     return files
+
+
+def in_val(key: str, val_fraction: float, seed: int) -> bool:
+    """Stable split: whether ``key`` (a file's path, a sample group) is held out depends
+    only on the key and the seed, never on what else the dataset holds."""
+    h = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(h[:8], "little") / 2**64 < val_fraction
 
 
 def write_split(table: pa.Table, out: str | os.PathLike, shards: int, seed: int) -> None:
@@ -176,6 +184,21 @@ def block_bytes(split_bytes: int, block_size_mb: float, max_workers: int) -> int
     return max(16 * 1024, min(int(block_size_mb * 1024 * 1024), split_bytes // (8 * max_workers)))
 
 
+def decoder(cfg: DataConfig, shard: str) -> tuple[Any, dict[str, Any]]:
+    """The function that turns an Arrow batch of ``cfg``'s shards into model arrays, and
+    its keyword arguments (``shard``: any shard of the split, for the contact width)."""
+    kwargs: dict[str, Any] = {"input_column": cfg.input_column, "target_column": cfg.target_column}
+    if cfg.format == "image":
+        from elastic.images import decode_images
+
+        return decode_images, {**kwargs, "size": cfg.image_size, "channels": cfg.image_channels}
+    if cfg.format == "contacts":
+        from elastic.protein import contact_width, decode_contacts
+
+        return decode_contacts, {**kwargs, "width": contact_width(shard)}
+    return decode_batch, kwargs
+
+
 def build_datasets(cfg: DataConfig, splits: dict[str, Split], max_workers: int) -> dict[str, Any]:
     """Lazy Ray datasets for the splits :func:`check_dataset` returned (train, maybe val)."""
     import ray.data
@@ -194,21 +217,7 @@ def build_datasets(cfg: DataConfig, splits: dict[str, Split], max_workers: int) 
         finally:
             ctx.use_datasource_v2 = use_v2
         ds.context.target_max_block_size = block_bytes(split.bytes, cfg.block_size_mb, max_workers)
-        kwargs: dict[str, Any] = {
-            "input_column": cfg.input_column,
-            "target_column": cfg.target_column,
-        }
-        decode: Any = decode_batch
-        if cfg.format == "image":
-            from elastic.images import decode_images
-
-            decode = decode_images
-            kwargs.update(size=cfg.image_size, channels=cfg.image_channels)
-        elif cfg.format == "contacts":
-            from elastic.protein import contact_width, decode_contacts
-
-            decode = decode_contacts
-            kwargs.update(width=contact_width(split.files[0]))
+        decode, kwargs = decoder(cfg, split.files[0])
         return ds.map_batches(
             decode, batch_format="pyarrow", zero_copy_batch=True, fn_kwargs=kwargs
         )

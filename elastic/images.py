@@ -7,7 +7,6 @@ Needs the ``images`` extra (Pillow; scikit-learn for the digits example).
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -18,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from elastic.data import DataError, write_split
+from elastic.data import DataError, in_val, write_split
 
 EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 
@@ -63,12 +62,6 @@ def list_images(src: Path) -> tuple[list[str], list[tuple[str, int]]]:
     return classes, items
 
 
-def _in_val(rel_path: str, val_fraction: float, seed: int) -> bool:
-    """Stable split: a file's split depends only on its path and the seed."""
-    h = hashlib.sha256(f"{seed}:{rel_path}".encode()).digest()
-    return int.from_bytes(h[:8], "little") / 2**64 < val_fraction
-
-
 def _checked_bytes(path: Path) -> bytes:
     image, data = _pil(), path.read_bytes()
     try:
@@ -99,7 +92,7 @@ def convert(
     classes, items = list_images(src)
     rows = {"train": [], "val": []}  # type: dict[str, list[tuple[int, str, int]]]
     for sample_id, (rel, label) in enumerate(items):
-        split = "val" if _in_val(rel, val_fraction, seed) else "train"
+        split = "val" if in_val(rel, val_fraction, seed) else "train"
         rows[split].append((sample_id, rel, label))
     blobs = {rel: _checked_bytes(src / rel) for rel, _ in items}
     meta = {

@@ -569,23 +569,12 @@ class _ShardBatches(torch.utils.data.IterableDataset):
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        from elastic.data import decode_batch
+        from elastic.data import decoder
 
         d = self.data
         info = torch.utils.data.get_worker_info()
         files = self.files[info.id :: info.num_workers] if info else self.files
-        kwargs = {"input_column": d.input_column, "target_column": d.target_column}
-        decode = decode_batch
-        if d.format == "image":
-            from elastic.images import decode_images
-
-            decode = decode_images
-            kwargs.update(size=d.image_size, channels=d.image_channels)
-        elif d.format == "contacts":
-            from elastic.protein import contact_width, decode_contacts
-
-            decode = decode_contacts
-            kwargs.update(width=contact_width(files[0]))
+        decode, kwargs = decoder(d, self.files[0])
         columns = ["sample_id", d.input_column, d.target_column]
         for f in files:
             for rb in pq.ParquetFile(f).iter_batches(self.batch_rows, columns=columns):
