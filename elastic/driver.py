@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -57,6 +60,7 @@ def _interruptible(trainer_cls: type) -> type:
     class Trainer(trainer_cls):
         interrupted = False
         controller: Any = None
+        previous_sigint: Any = None
 
         def _register_sigint_handler(self, controller: Any) -> None:
             Trainer.controller = controller
@@ -66,15 +70,27 @@ def _interruptible(trainer_cls: type) -> type:
                 controller.abort.remote()
                 raise KeyboardInterrupt
 
-            signal.signal(signal.SIGINT, handler)
+            Trainer.previous_sigint = signal.signal(signal.SIGINT, handler)
 
         def fit(self) -> Any:
+            import ray
+
             try:
                 result = super().fit()
             except Exception:
                 if Trainer.interrupted:
                     raise KeyboardInterrupt from None
                 raise
+            finally:
+                # The controller actor (~400 MB) would otherwise live as long as this
+                # class, i.e. until a garbage collection: a process that trains more
+                # than once (a notebook, the tests) ran out of memory on them.
+                if Trainer.controller is not None:
+                    with contextlib.suppress(Exception):  # Ray itself may be gone
+                        ray.kill(Trainer.controller)
+                    Trainer.controller = None
+                if Trainer.previous_sigint is not None:
+                    signal.signal(signal.SIGINT, Trainer.previous_sigint)
             if Trainer.interrupted:
                 raise KeyboardInterrupt
             return result
@@ -142,7 +158,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
             dataset_config=data_config(),
             torch_config=TorchConfig(backend="nccl" if sc.use_gpu else "gloo"),
         )
-        with _stop_on_signals(control), _end_on_data_error(control, trainer):
+        with _run_control(control, trainer):
             result = trainer.fit()
     metrics = result.metrics or {}
     events = read_events(out)
@@ -163,29 +179,65 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextmanager
-def _end_on_data_error(control: Any, trainer: Any) -> Iterator[None]:
-    """A worker that hits a bad row (:class:`DataError`) tells the control actor; the
-    run is aborted rather than restarted (the row would fail every retry) and fit()'s
-    caller gets the DataError, one line naming the row. Checkpoints already written stay."""
+def _run_control(control: Any, trainer: Any) -> Iterator[None]:
+    """The driver's side of the control actor, for the length of fit().
+
+    SIGTERM or SIGUSR1 to the driver (a batch system's warning before the end of an
+    allocation): checkpoint now and stop; the same command resumes. A second one, or a
+    SIGINT, stops at once like Ctrl-C (the last complete checkpoint is kept).
+
+    The main thread sits in Ray's blocking ``ray.get`` for all of fit(), where Python
+    signal handlers do not run until it returns, i.e. at the end of training. So the
+    signals are read from a wakeup fd (written by the C-level handler the moment one
+    arrives) by one thread, which also makes every call to the control actor.
+
+    A worker that hits a bad row (:class:`DataError`) tells the actor; the run is
+    aborted rather than restarted (the row would fail every retry) and fit()'s caller
+    gets the DataError, one line naming the row. Checkpoints already written stay."""
     import ray
 
     done = threading.Event()
     found: list[str] = []
+    wake_r, wake_w = socket.socketpair()
+    wake_w.setblocking(False)
 
-    def watch() -> None:
-        while not done.wait(1.0):
+    def abort(interrupt: bool) -> None:
+        if interrupt:
+            type(trainer).interrupted = True  # fit() raises KeyboardInterrupt
+        if trainer.controller is not None:
+            trainer.controller.abort.remote()
+
+    def relay() -> None:
+        stopping = False
+        while not done.is_set():
+            if select.select([wake_r], [], [], POLL_S)[0]:
+                for signum in wake_r.recv(64):
+                    if signum == signal.SIGINT or (signum in STOP_SIGNALS and stopping):
+                        abort(interrupt=True)
+                    elif signum in STOP_SIGNALS:
+                        stopping = True
+                        name = signal.Signals(signum).name
+                        print(f"[elastic] {name}: checkpointing now, then stopping", flush=True)
+                        control.request_stop.remote(name)
             try:
-                message = ray.get(control.fatal.remote(), timeout=10)
+                message = ray.get(control.fatal.remote(), timeout=30)
+            except ray.exceptions.GetTimeoutError:
+                continue  # a busy head node; ask again
             except Exception:  # the run is ending; fit() reports what happened
                 return
             if message:
                 found.append(message)
-                if trainer.controller is not None:
-                    trainer.controller.abort.remote()
+                abort(interrupt=False)
                 return
 
-    watcher = threading.Thread(target=watch, name="elastic-data-errors", daemon=True)
-    watcher.start()
+    previous: dict[int, Any] = {}
+    old_fd = None
+    if threading.current_thread() is threading.main_thread():
+        # the Python-level handler has nothing left to do: the relay thread acts
+        previous = {s: signal.signal(s, lambda *_: None) for s in STOP_SIGNALS}
+        old_fd = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
+    thread = threading.Thread(target=relay, name="elastic-control", daemon=True)
+    thread.start()
     try:
         yield
     except Exception:
@@ -197,37 +249,21 @@ def _end_on_data_error(control: Any, trainer: Any) -> Iterator[None]:
             raise
     finally:
         done.set()
-        watcher.join()
+        thread.join()
+        with contextlib.suppress(Exception):  # free it now, not at a garbage collection
+            ray.kill(control)
+        if old_fd is not None:
+            signal.set_wakeup_fd(old_fd)
+        for s, h in previous.items():
+            signal.signal(s, h)
+        wake_r.close()
+        wake_w.close()
     if found:
         raise DataError(found[0])
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-@contextmanager
-def _stop_on_signals(control: Any) -> Iterator[None]:
-    """SIGTERM or SIGUSR1 to the driver (a batch system's warning before the end of an
-    allocation): checkpoint now and stop; the same command resumes. A second one
-    stops at once, like Ctrl-C (the last complete checkpoint is kept)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if getattr(handler, "seen", False):
-            raise KeyboardInterrupt
-        handler.seen = True  # type: ignore[attr-defined]
-        print(f"[elastic] {name}: checkpointing now, then stopping", flush=True)
-        control.request_stop.remote(name)
-
-    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+POLL_S = 0.5
 
 
 def world_sizes(events: list[dict[str, Any]]) -> list[int]:

@@ -158,6 +158,10 @@ SlurmctldHost=ctl({self.ip("ctl")})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# a requeued job may start again after this many seconds (default 120)
+AuthInfo=cred_expire=20
+# backfill every 5 s (default 30): a requeued job starts soon after it may
+SchedulerParameters=bf_interval=5
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none

@@ -153,6 +153,30 @@ def test_cached_epochs_train_exactly_as_streamed_ones(small_data, tmp_path):
     cached, streamed = _losses(tmp_path / "cached"), _losses(tmp_path / "streamed")
     assert len(cached) == runs["cached"]["steps"] >= 3 * 16
     assert cached == streamed
+    # a process that trains again and again (a notebook; this suite) keeps no run's
+    # Ray Train controller (~400 MB each) once its fit() has returned
+    assert _eventually(lambda: not _processes("ray::TrainController")), "controllers left"
+
+
+def _processes(title: str) -> list[int]:
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if (p.info["cmdline"] or [""])[0].startswith(title):
+            found.append(p.pid)
+    return found
+
+
+def _eventually(check, timeout: float = 15.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
 
 
 def test_adjust_policy_keeps_training_where_the_batch_does_not_split(small_data, tmp_path):
