@@ -31,20 +31,26 @@ def _losses(run_dir: str) -> dict[int, float]:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stage_trains_checkpoints_and_resumes_exactly(stage, small_data, tmp_path):
+    """One epoch of 1,000 rows at a global batch of 64 (16 steps, the last one partial,
+    split unevenly over the 2 workers); then the same run stopped at step 5 and resumed:
+    it continues bit for bit and trains every sample of the epoch exactly once."""
     common = [
         f"strategy.zero_stage={stage}",
-        "trainer.max_steps=12",
+        "trainer.max_steps=0",
+        "trainer.max_epochs=1",
         "logger=none",
         "checkpoint.every_steps=3",
         "optim.lr=0.005",
     ]
+    one_epoch = [{"epoch": 0, "trained": 1000, "duplicates": 0}]
     full = train(small_overrides(small_data, tmp_path, *common, "run.name=full"))
-    assert full["status"] == "finished" and full["steps"] == 12
+    assert full["status"] == "finished" and full["steps"] == 16
     assert full["world_sizes"] == [2]
+    assert full["epochs_closed"] == one_epoch
     losses = _losses(os.path.join(tmp_path, "full"))
     first, last = (
         np.mean([losses[s] for s in (1, 2, 3)]),
-        np.mean([losses[s] for s in (10, 11, 12)]),
+        np.mean([losses[s] for s in (14, 15, 16)]),
     )
     assert last < 0.8 * first, losses
     assert full["val"]["r2"] > 0.2
@@ -62,41 +68,24 @@ def test_zero_stage_trains_checkpoints_and_resumes_exactly(stage, small_data, tm
         assert len(glob.glob(os.path.join(ckpt_dir, "model", "*optim_states.pt"))) == 2
 
     resumed = train(small_overrides(small_data, tmp_path, *common, "run.name=cut"))
-    assert resumed["status"] == "finished" and resumed["steps"] == 12
-    assert resumed["samples_seen"] == full["samples_seen"] == 12 * 64
+    assert resumed["status"] == "finished" and resumed["steps"] == 16
+    assert resumed["samples_seen"] == full["samples_seen"] == 1000
     cut_dir = os.path.join(tmp_path, "cut")
     assert [e["step"] for e in read_events(cut_dir) if e["event"] == "resume"] == [5]
+    # every sample of the epoch once across the cut: the ledger holds exactly the data
+    assert resumed["epochs_closed"] == one_epoch
+    state = read_state(resumed["checkpoint"])
+    trained = state.ledger.trained_ids(state.ledger.last_closed_bitmap)
+    np.testing.assert_array_equal(trained, _dataset_ids(small_data / "train"))
 
     # same world size, CPU fp32: the resumed run continues bit for bit
     expected, got = _losses(os.path.join(tmp_path, "full")), _losses(cut_dir)
-    for step in range(6, 13):
+    for step in range(6, 17):
         assert got[step] == expected[step], (step, got[step], expected[step])
 
 
 def _dataset_ids(path) -> np.ndarray:
     return np.sort(pq.read_table(path, columns=["sample_id"])["sample_id"].to_numpy())
-
-
-def test_epoch_trains_every_sample_exactly_once_across_a_resume(small_data, tmp_path):
-    """1,000 rows, global batch 64, split unevenly over 2 workers (the last steps are
-    partial); interrupted mid-epoch and resumed."""
-    common = [
-        "trainer.max_steps=0",
-        "trainer.max_epochs=1",
-        "logger=none",
-        "checkpoint.every_steps=3",
-        "run.name=epoch",
-    ]
-    first = train(small_overrides(small_data, tmp_path, *common, "trainer.stop_at_step=7"))
-    assert first["status"] == "stopped"
-    done = train(small_overrides(small_data, tmp_path, *common))
-    assert done["status"] == "finished" and done["steps"] >= 16
-    assert done["samples_seen"] == 1000
-    assert done["epochs_closed"] == [{"epoch": 0, "trained": 1000, "duplicates": 0}]
-
-    state = read_state(done["checkpoint"])
-    trained = state.ledger.trained_ids(state.ledger.last_closed_bitmap)
-    np.testing.assert_array_equal(trained, _dataset_ids(small_data / "train"))
 
 
 def test_wandb_offline_run_holds_the_logged_metrics(small_data, tmp_path):
