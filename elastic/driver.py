@@ -72,6 +72,16 @@ def _interruptible(trainer_cls: type) -> type:
 
             Trainer.previous_sigint = signal.signal(signal.SIGINT, handler)
 
+        def _create_default_callbacks(self) -> list[Any]:
+            callbacks = super()._create_default_callbacks()
+            if _has_dashboard():
+                return callbacks
+            # Ray Train's PlacementGroupCleaner asks the State API, i.e. the dashboard,
+            # whether the controller still lives; without one it cannot tell and logs
+            # a warning every couple of seconds for the whole run (83 in a smoke run).
+            # Without a dashboard it could never act anyway.
+            return [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
+
         def fit(self) -> Any:
             import ray
 
@@ -96,6 +106,16 @@ def _interruptible(trainer_cls: type) -> type:
             return result
 
     return Trainer
+
+
+def _has_dashboard() -> bool:
+    """Whether the connected Ray cluster runs a dashboard (and so the State API)."""
+    try:
+        from ray._private.worker import get_dashboard_url
+
+        return bool(get_dashboard_url())
+    except Exception:  # unknown (Ray internals moved): keep Ray's defaults
+        return True
 
 
 def run_dir(cfg: TrainConfig) -> str:
