@@ -67,3 +67,21 @@ def train(overrides: list[str]) -> dict:
     cfg, experiment = compose(overrides)
     typed = typed_config(cfg, experiment)
     return driver_train(typed, plain(cfg))
+
+
+def assert_every_epoch_once(summary: dict, train_dir, epochs: int, rows: int) -> None:
+    """Every sample of every epoch trained exactly once, and the run's last checkpoint's
+    bitmap of the last closed epoch holds exactly the ids of the dataset in train_dir."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from elastic.checkpoint import read_state
+
+    assert summary["samples_exactly_once"] is True
+    assert summary["epochs_closed"] == [
+        {"epoch": e, "trained": rows, "duplicates": 0} for e in range(epochs)
+    ]
+    state = read_state(summary["checkpoint"])
+    trained = state.ledger.trained_ids(state.ledger.last_closed_bitmap)
+    ids = pq.read_table(train_dir, columns=["sample_id"])["sample_id"].to_numpy()
+    np.testing.assert_array_equal(trained, np.sort(ids))

@@ -7,11 +7,9 @@ from __future__ import annotations
 import os
 import signal
 
-import numpy as np
-import pyarrow.parquet as pq
 import pytest
+from conftest import assert_every_epoch_once
 
-from elastic.checkpoint import read_state
 from elastic.localcluster import RayCluster, Run, saving_pids
 
 ROWS, BATCH, EPOCHS = 2048, 64, 6
@@ -56,18 +54,6 @@ def cluster():
     yield make
     for c in clusters:
         c.shutdown()
-
-
-def _assert_every_epoch_once(summary: dict, data) -> None:
-    assert summary["samples_exactly_once"] is True
-    assert summary["epochs_closed"] == [
-        {"epoch": e, "trained": ROWS, "duplicates": 0} for e in range(EPOCHS)
-    ]
-    # the surviving checkpoint's bitmap of the last epoch holds exactly the dataset's ids
-    state = read_state(summary["checkpoint"])
-    trained = state.ledger.trained_ids(state.ledger.last_closed_bitmap)
-    ids = pq.read_table(data / "train", columns=["sample_id"])["sample_id"].to_numpy()
-    np.testing.assert_array_equal(trained, np.sort(ids))
 
 
 def _losses(run: Run) -> list[tuple[int, float]]:
@@ -118,7 +104,7 @@ def test_node_dies_then_joins(cluster, data, tmp_path):
         (2, 1, True),
         (1, 2, True),
     ]
-    _assert_every_epoch_once(s, data)
+    assert_every_epoch_once(s, data / "train", EPOCHS, ROWS)
     _assert_loss_continues(run, resumes[0]["step"])
 
 
@@ -159,7 +145,7 @@ def test_worker_killed_mid_step_and_mid_checkpoint(cluster, data, tmp_path):
     # the save killed halfway is not the one resumed from: the one before it is
     assert resumes[1] < killed_save and resumes[1] % 5 == 0, (resumes, killed_save)
     assert s["world_sizes"] == [2]
-    _assert_every_epoch_once(s, data)
+    assert_every_epoch_once(s, data / "train", EPOCHS, ROWS)
 
 
 def test_drained_node_checkpoints_at_once_then_shrinks(cluster, data, tmp_path):
@@ -189,7 +175,7 @@ def test_drained_node_checkpoints_at_once_then_shrinks(cluster, data, tmp_path):
     assert s["world_sizes"] == [2, 1]
     resumes = [e["step"] for e in s["events"] if e["event"] == "resume"]
     assert resumes == [drain["step"]]
-    _assert_every_epoch_once(s, data)
+    assert_every_epoch_once(s, data / "train", EPOCHS, ROWS)
 
 
 def test_sigterm_to_the_driver_checkpoints_and_the_rerun_resumes(data, tmp_path):
@@ -212,7 +198,7 @@ def test_sigterm_to_the_driver_checkpoints_and_the_rerun_resumes(data, tmp_path)
     s = rerun.summary()
     assert s["status"] == "finished"
     assert [e["step"] for e in s["events"] if e["event"] == "resume"] == [stopped_at]
-    _assert_every_epoch_once(s, data)
+    assert_every_epoch_once(s, data / "train", EPOCHS, ROWS)
 
 
 def test_half_written_checkpoints_past_the_resume_point_are_removed(tmp_path):
