@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import assert_every_epoch_once
 from slurm_cluster import ENDED, SlurmCluster, missing_requirements
 
 from elastic.localcluster import REPO, RunFiles
@@ -110,12 +111,9 @@ class Job(RunFiles):
         return {p.stem: json.loads(p.read_text()) for p in (self.jobdir / "nodes").glob("*.json")}
 
 
-def assert_every_sample_once(s: dict, epochs: int = 2) -> None:
+def assert_every_sample_once(s: dict, data, epochs: int = 2) -> None:
     assert s["status"] == "finished"
-    assert s["samples_exactly_once"] is True
-    assert s["epochs_closed"] == [
-        {"epoch": e, "trained": ROWS, "duplicates": 0} for e in range(epochs)
-    ]
+    assert_every_epoch_once(s, data / "train", epochs, ROWS)
 
 
 def test_two_concurrent_jobs_on_three_nodes_and_a_node_without_the_token(slurm, data, tmp_path):
@@ -159,7 +157,7 @@ def test_two_concurrent_jobs_on_three_nodes_and_a_node_without_the_token(slurm, 
     sa, sb = a.summary(), b.summary()
     assert sa["world_sizes"] == [3]
     assert sb["world_sizes"] == [2]
-    assert_every_sample_once(sa)
+    assert_every_sample_once(sa, data)
     # the token is in its file and nowhere else: not in logs, outputs or summaries
     for path in tmp_path.rglob("*"):
         if path.is_file() and path.name != "token" and path.stat().st_size < 50_000_000:
@@ -201,7 +199,7 @@ def test_a_failed_node_shrinks_the_job_which_finishes(slurm, data, tmp_path, fai
         assert s["world_sizes"] == [3, 2], job.output()[-6000:]
         restarts = [(e["cause"], e["world_size"]) for e in s["events"] if e["event"] == "restart"]
         assert restarts == [("shrink", 2)] or restarts == [("failure", 2)], restarts
-        assert_every_sample_once(s)
+        assert_every_sample_once(s, data)
     finally:
         slurm.link("n3", up=True)
         if failure != "link down":
@@ -224,7 +222,7 @@ def test_a_join_allocation_grows_the_job(slurm, data, tmp_path):
     assert [(e["cause"], e["world_size"]) for e in s["events"] if e["event"] == "restart"] == [
         ("grow", 3)
     ]
-    assert_every_sample_once(s)
+    assert_every_sample_once(s, data)
     assert slurm.wait_job(join, 60) == "COMPLETED"
 
 
@@ -252,6 +250,6 @@ def test_usr1_checkpoints_at_once_and_the_requeued_job_resumes(slurm, data, tmp_
     s = job.summary()
     assert [e["step"] for e in s["events"] if e["event"] == "resume"] == [stopped_at]
     assert "Restarts=1" in slurm.client("scontrol", "show", "job", job.id).stdout
-    assert_every_sample_once(s, epochs=20)
+    assert_every_sample_once(s, data, epochs=20)
     # the first incarnation's checkpoint is the one at the signal, not a periodic one
     assert stopped_at >= 8 and stopped_at % 1000 != 0
