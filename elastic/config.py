@@ -62,6 +62,11 @@ class DataConfig:
     0 = no augmentation."""
     seed: int = 0
     """Seed of the data's randomness (row order, augmentation)."""
+    shuffle_files: bool = True
+    """Read the train split's shards in an order fixed by data.seed and the epoch, new
+    every epoch (so the workers' shares change too); epochs replayed from the worker
+    cache (data.cache_mb) take its blocks in an order fixed by data.seed, the epoch and
+    the rank. false = shard order every epoch."""
     shuffle_buffer_rows: int = 1024
     """Each worker mixes its rows through a buffer of this many decoded rows, in an order
     fixed by data.seed, the epoch and the worker's rank (a resume at the same world size

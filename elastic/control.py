@@ -91,3 +91,31 @@ def node_drain_probe() -> Callable[[], bool]:
     except Exception:  # not inside a Ray Train V2 worker, or the internals moved
         return lambda: False
     return lambda: preemption.preemption_info is not None
+
+
+class FirstEpoch:
+    """The epoch a worker group starts in, from its rank 0 to the train split's
+    DataConfig (which runs in Ray Train's dataset actor when rank 0 first asks for its
+    shard), through the GCS key-value store: that actor is asynchronous, where a call to
+    our control actor would block its event loop. One key per fit(); picklable."""
+
+    def __init__(self, fit_id: str) -> None:
+        self.key = f"elastic/{fit_id}/first_epoch".encode()
+
+    def announce(self, epoch: int) -> None:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        _internal_kv_put(self.key, str(epoch).encode(), overwrite=True)
+
+    def __call__(self) -> int:
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        value = _internal_kv_get(self.key)
+        if value is None:
+            raise RuntimeError(f"no first epoch under {self.key!r}: rank 0 announces it first")
+        return int(value)
+
+    def forget(self) -> None:
+        from ray.experimental.internal_kv import _internal_kv_del
+
+        _internal_kv_del(self.key)

@@ -202,8 +202,9 @@ def decoder(cfg: DataConfig, shard: str) -> tuple[Any, dict[str, Any]]:
 def build_datasets(cfg: DataConfig, splits: dict[str, Split], max_workers: int) -> dict[str, Any]:
     """Lazy Ray datasets for the splits :func:`check_dataset` returned (train, maybe val)."""
     import ray.data
+    from ray.data import FileShuffleConfig
 
-    def load(split: Split) -> ray.data.Dataset:
+    def load(split: Split, shuffle_files: bool) -> ray.data.Dataset:
         # Ray 2.60's new Parquet reader spends 2-3 s in a ListFiles task at the start of
         # every epoch, even for files listed explicitly; the previous reader starts in
         # ~0.15 s (measured here). We already list and check the shards ourselves.
@@ -212,8 +213,11 @@ def build_datasets(cfg: DataConfig, splits: dict[str, Split], max_workers: int) 
         columns = [ID_COLUMN, cfg.input_column, cfg.target_column]
         if cfg.format == "image" and "path" in pq.read_schema(split.files[0]).names:
             columns.append("path")  # the source image's name, for a decode error
+        # train, data.shuffle_files: a file order fixed by (data.seed, Ray Data's
+        # execution index), which data_config() sets to the epoch an execution reads
+        shuffle = FileShuffleConfig(seed=cfg.seed) if shuffle_files else None
         try:
-            ds = ray.data.read_parquet(split.files, columns=columns)
+            ds = ray.data.read_parquet(split.files, columns=columns, shuffle=shuffle)
         finally:
             ctx.use_datasource_v2 = use_v2
         ds.context.target_max_block_size = block_bytes(split.bytes, cfg.block_size_mb, max_workers)
@@ -222,16 +226,22 @@ def build_datasets(cfg: DataConfig, splits: dict[str, Split], max_workers: int) 
             decode, batch_format="pyarrow", zero_copy_batch=True, fn_kwargs=kwargs
         )
 
-    return {name: load(split) for name, split in splits.items()}
+    return {
+        name: load(split, cfg.shuffle_files and name == "train") for name, split in splits.items()
+    }
 
 
-def data_config() -> Any:
+def data_config(first_epoch: Any = None) -> Any:
     """Ray Train DataConfig: deterministic, lossless splits.
 
     ``preserve_order`` makes each worker's share and order the same run to run (which
     makes resume at the same world size exact). ``equal=False`` because Ray's equal
     split drops up to world_size - 1 rows per epoch, and we train every row:
     :class:`StepStream` keeps workers in lock step when their shares differ.
+
+    ``first_epoch``: a callable giving the epoch the worker group starts in (rank 0 says,
+    before it asks for its shard). The train split's first execution then counts as that
+    epoch, so a shuffled file order is the epoch's, after a resume too. None: 0.
     """
     from ray.data import ExecutionOptions
     from ray.train import DataConfig as RayDataConfig
@@ -240,8 +250,11 @@ def data_config() -> Any:
         def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
             output: list[dict[str, Any]] = [{} for _ in range(world_size)]
             for name, ds in datasets.items():
-                ds = ds.copy(ds)
+                ds = ds.copy(ds, _deep_copy=True)  # its own context: train and val differ
                 ds.context.execution_options = self._resolve_execution_options(name)
+                if name == "train" and first_epoch is not None:
+                    # FileShuffleConfig seeds each execution by (seed, execution index)
+                    ds.context._execution_idx = int(first_epoch())
                 for i, split in enumerate(ds.streaming_split(world_size, equal=False)):
                     output[i][name] = split
             return output
@@ -308,13 +321,21 @@ class EpochPrefetcher:
 
     ``cache=True`` (every worker must agree: Ray Data starts an epoch only when all splits
     ask for it) reads the split once and keeps a copy of its blocks: every later epoch
-    comes from memory, in the same order, and reads nothing.
+    comes from memory and reads nothing. With ``block_order=(seed, rank)`` the epochs
+    after epoch 0 take the cached blocks in an order fixed by (seed, epoch, rank), as a
+    shuffled file order would; without, in the order read.
     """
 
     def __init__(
-        self, shard: Any, max_bytes: int, epochs: int | None = None, cache: bool = False
+        self,
+        shard: Any,
+        max_bytes: int,
+        epochs: int | None = None,
+        cache: bool = False,
+        block_order: tuple[int, int] | None = None,
     ) -> None:
         self._shard = shard
+        self._block_order = block_order if cache else None
         self._epochs = 1 if cache else epochs  # None: as many as the trainer asks for
         self._cache: list[dict[str, np.ndarray]] | None = [] if cache else None
         self._cached = False  # the whole first epoch is in _cache
@@ -353,11 +374,22 @@ class EpochPrefetcher:
         except BaseException as e:  # surface the reader's failure in the training thread
             self._queue.put(e)
 
-    def epoch(self) -> Iterator[dict[str, np.ndarray]]:
-        """This worker's blocks of the next epoch, in order."""
-        if self._cached:
+    def epoch(self, index: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        """This worker's blocks of the next epoch (the run's epoch ``index``), in order."""
+        if self._block_order is not None and index > 0:
+            if not self._cached:  # a resume past epoch 0: the whole share, then reorder
+                for _ in self._read_epoch():
+                    pass
+            seed, rank = self._block_order
+            blocks = self._cache or []
+            order = np.random.default_rng([seed, index, rank, 0xB10C]).permutation(len(blocks))
+            yield from (blocks[i] for i in order)
+        elif self._cached:
             yield from self._cache or ()
-            return
+        else:
+            yield from self._read_epoch()
+
+    def _read_epoch(self) -> Iterator[dict[str, np.ndarray]]:
         with self._cond:
             self._consuming += 1
             self._cond.notify_all()

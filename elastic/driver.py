@@ -10,12 +10,13 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from elastic.config import TrainConfig
-from elastic.control import start_control
+from elastic.control import FirstEpoch, start_control
 from elastic.data import (
     DataError,
     Split,
@@ -150,6 +151,9 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
         print(f"[elastic] connected to {where}", flush=True)
         ray.data.DataContext.get_current().enable_progress_bars = False
         control = start_control()
+        # a streamed train split reads its files in the order of the epoch it is in
+        shuffled = cfg.data.shuffle_files and not cache_train
+        first_epoch = FirstEpoch(uuid.uuid4().hex) if shuffled else None
         trainer = _interruptible(TorchTrainer)(
             train_loop,
             train_loop_config={
@@ -159,6 +163,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
                 "cache_train": cache_train,
                 "train_rows": splits["train"].rows,
                 "control": control,
+                "first_epoch": first_epoch,
             },
             scaling_config=ScalingConfig(
                 num_workers=workers,  # type: ignore[arg-type]  # (min, max) is elastic
@@ -175,11 +180,15 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
                 failure_config=FailureConfig(max_failures=sc.max_failures),
             ),
             datasets=build_datasets(cfg.data, splits, sc.max_workers),
-            dataset_config=data_config(),
+            dataset_config=data_config(first_epoch),
             torch_config=TorchConfig(backend="nccl" if sc.use_gpu else "gloo"),
         )
-        with _run_control(control, trainer):
-            result = trainer.fit()
+        try:
+            with _run_control(control, trainer):
+                result = trainer.fit()
+        finally:
+            if first_epoch is not None:
+                first_epoch.forget()
     metrics = result.metrics or {}
     events = read_events(out)
     summary: dict[str, Any] = {

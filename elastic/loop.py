@@ -60,12 +60,15 @@ def train_loop(config: dict[str, Any]) -> None:
         path = stack.enter_context(resume_from.as_directory()) if resume_from else None
         state = ckpt.read_state(path) if path else ckpt.TrainerState()
         # Ray Data starts its pipeline now, while DeepSpeed initialises and restores
+        if rank == 0 and config.get("first_epoch") is not None:
+            config["first_epoch"].announce(state.epoch)  # the file order to read in
         max_epochs = cfg.trainer.max_epochs
         prefetcher = EpochPrefetcher(
             ray.train.get_dataset_shard("train"),
             int(cfg.data.prefetch_mb * 1024 * 1024),
             epochs=max_epochs - state.epoch if max_epochs else None,
             cache=config["cache_train"],
+            block_order=(cfg.data.seed, rank) if cfg.data.shuffle_files else None,
         )
         marks = {"data_s": time.perf_counter()}
         init_distributed(cfg.scaling.use_gpu, warming)
@@ -272,10 +275,8 @@ class _Trainer:
         # At an unchanged world size the split and the shuffle are deterministic and the
         # skipped rows are exactly each worker's first ones, so the run continues bit for
         # bit (the rows are shuffled first, then the trained ones dropped).
-        ledger, d = self.state.ledger, self.cfg.data
-        blocks = shuffled(
-            prefetcher.epoch(), d.shuffle_buffer_rows, d.seed, self.state.epoch, self.rank
-        )
+        ledger, d, epoch = self.state.ledger, self.cfg.data, self.state.epoch
+        blocks = shuffled(prefetcher.epoch(epoch), d.shuffle_buffer_rows, d.seed, epoch, self.rank)
         return StepStream(
             blocks,
             self.plan.per_worker,

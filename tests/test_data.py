@@ -79,3 +79,57 @@ def test_a_dataset_four_times_the_object_store_streams_through(tmp_path):
     assert summary["status"] == "finished" and summary["samples_seen"] == 50_000
     assert summary["epochs_closed"] == [{"epoch": 0, "trained": 50_000, "duplicates": 0}]
     assert summary["samples_exactly_once"] is True
+
+
+def _epochs_as_read(train_dir, shuffle_files: bool, first_epoch: int, epochs: int):
+    """Each epoch of a 2-worker streaming split of the train shards, as the workers read
+    it (a fresh split whose first execution counts as ``first_epoch``, as after a
+    resume): a list per epoch of each worker's sample ids, in order."""
+    import threading
+
+    from elastic.config import DataConfig
+    from elastic.data import build_datasets, check_dataset, data_config
+
+    cfg = DataConfig(path=str(train_dir), seed=5, shuffle_files=shuffle_files)
+    datasets = build_datasets(cfg, check_dataset(cfg), max_workers=2)
+    splits = data_config(lambda: first_epoch).configure(datasets, 2, None, None)
+    seen = []
+    for _ in range(epochs):
+        ids: list[list[int]] = [[], []]
+
+        def read(rank: int, ids=ids) -> None:
+            for b in splits[rank]["train"].iter_batches(batch_size=None):
+                ids[rank] += b["sample_id"].tolist()
+
+        threads = [threading.Thread(target=read, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seen.append(ids)
+    return seen
+
+
+def test_file_order_is_fixed_by_seed_and_epoch_and_new_every_epoch(small_data, ray_session):
+    """data.shuffle_files: Ray Data reads the shards in an order fixed by (data.seed,
+    epoch); a split that starts at epoch 1 (a resume) reads epoch 1's order; every row
+    of every epoch exactly once over the two workers."""
+    rows = 1000
+    run = _epochs_as_read(small_data / "train", True, first_epoch=0, epochs=3)
+    for epoch in run:
+        assert sorted(epoch[0] + epoch[1]) == list(range(rows))
+    files = [_file_order(epoch) for epoch in run]
+    assert len({repr(f) for f in files}) == 3, files  # a new order every epoch
+    assert any(w != sorted(w) for f in files for w in f), files
+    # what a worker reads depends on the epoch only, not on where the split started
+    resumed = _epochs_as_read(small_data / "train", True, first_epoch=1, epochs=2)
+    assert resumed == run[1:]
+    # off: shard order every epoch
+    plain = _epochs_as_read(small_data / "train", False, first_epoch=3, epochs=2)
+    assert plain[0] == plain[1]
+    assert all(w == sorted(w) for w in _file_order(plain[0]))
+
+
+def _file_order(epoch: list[list[int]]) -> list[list[int]]:
+    """Each worker's shards in the order it met them (the small shards hold 200 ids each)."""
+    return [list(dict.fromkeys(i // 200 for i in ids)) for ids in epoch]

@@ -120,8 +120,14 @@ def test_wandb_offline_run_holds_the_logged_metrics(small_data, tmp_path):
 def test_cached_epochs_train_exactly_as_streamed_ones(small_data, tmp_path):
     """The train split fits data.cache_mb, so epochs after the first come from each
     worker's memory; with data.cache_mb=0 every epoch is read again through Ray Data.
-    Same rows, same order: the same losses to the bit, every epoch trained once."""
-    common = ["trainer.max_steps=0", "trainer.max_epochs=3", "logger=none"]
+    With the files in shard order every epoch, the same rows in the same order: the same
+    losses to the bit, every epoch trained once."""
+    common = [
+        "trainer.max_steps=0",
+        "trainer.max_epochs=3",
+        "logger=none",
+        "data.shuffle_files=false",
+    ]
     runs = {}
     for name, cache in (("cached", "data.cache_mb=512"), ("streamed", "data.cache_mb=0")):
         runs[name] = train(
@@ -136,6 +142,31 @@ def test_cached_epochs_train_exactly_as_streamed_ones(small_data, tmp_path):
     # a process that trains again and again (a notebook; this suite) keeps no run's
     # Ray Train controller (~400 MB each) once its fit() has returned
     assert _eventually(lambda: not _processes("ray::TrainController")), "controllers left"
+
+
+@pytest.mark.parametrize("cache", ["cached", "streamed"])
+def test_a_resume_in_a_later_epoch_continues_exactly(cache, small_data, tmp_path):
+    """Files in a new order every epoch (data.shuffle_files, the default): a run stopped
+    in its second epoch and resumed continues bit for bit, whether the later epochs come
+    from the worker cache (blocks reordered per epoch) or are read again (the file
+    order of the epoch it resumes in); every epoch trained once."""
+    common = [
+        "trainer.max_steps=0",
+        "trainer.max_epochs=3",
+        "logger=none",
+        "checkpoint.every_steps=0",
+        "data.cache_mb=512" if cache == "cached" else "data.cache_mb=0",
+    ]
+    full = train(small_overrides(small_data, tmp_path, *common, "run.name=full"))
+    assert full["steps"] == 48
+    cut = [*common, "run.name=cut"]
+    stopped = train(small_overrides(small_data, tmp_path, *cut, "trainer.stop_at_step=20"))
+    assert stopped["status"] == "stopped" and stopped["steps"] == 20
+    resumed = train(small_overrides(small_data, tmp_path, *cut))
+    assert resumed["status"] == "finished" and resumed["steps"] == 48
+    assert_every_epoch_once(resumed, small_data / "train", epochs=3, rows=1000)
+    expected, got = _losses(tmp_path / "full"), _losses(tmp_path / "cut")
+    assert [got[s] for s in range(21, 49)] == [expected[s] for s in range(21, 49)]
 
 
 def _processes(title: str) -> list[int]:
