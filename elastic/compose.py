@@ -146,6 +146,19 @@ def fail(message: str) -> None:
     raise SystemExit(EXIT_CONFIG_ERROR)
 
 
+def quote_target(args: list[str]) -> list[str]:
+    """``metrics.target=val/accuracy>=0.9`` as typed (shell-quoted): Hydra's override
+    grammar has no unquoted ``<`` or ``>``, so the value is quoted for it."""
+    out = []
+    for a in args:
+        key, eq, value = a.partition("=")
+        needs_quotes = value[:1] not in ("'", '"') and any(c in value for c in "<>")
+        if eq and key.lstrip("+~") == "metrics.target" and needs_quotes:
+            a = f"{key}='{value}'"
+        out.append(a)
+    return out
+
+
 def preflight(args: list[str]) -> None:
     """Check every run the command line asks for; exit 2 with one line on the first error."""
     from hydra.errors import HydraException

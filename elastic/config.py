@@ -115,6 +115,9 @@ class ScalingConfig:
     max_workers: int = 2
     """min < max is elastic: Ray Train runs as many workers as the cluster holds, shrinks
     when a node dies and grows when one joins (restarting from the latest checkpoint)."""
+    workers: int | None = None
+    """Set: a fixed world size, min_workers = max_workers = workers (for a scaling
+    sweep: ``-m scaling.workers=1,2,4``)."""
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
     placement_strategy: str = "PACK"
@@ -167,6 +170,18 @@ class TrainerConfig:
     seed: int = 0
     stop_at_step: int = 0
     """>0: checkpoint and stop after this step, resumable later (a fixed slice of a run)."""
+    progress: str = "auto"
+    """The driver's progress display: auto (a live bar on a terminal, else a plain line
+    with the ETA every progress_every_s) | bar | plain | off."""
+    progress_every_s: float = 30.0
+
+
+@dataclass
+class MetricsConfig:
+    target: str | None = None
+    """A goal on a logged metric, e.g. ``val/accuracy>=0.9`` or ``val/loss<=0.05``:
+    summary.json's time_to_target_s is the run's time until it was first met (null if
+    never). A val/ goal needs data.val_path and trainer.val_every_steps > 0."""
 
 
 @dataclass
@@ -217,6 +232,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 def register_schemas() -> None:
@@ -234,6 +250,11 @@ def to_typed(cfg: DictConfig) -> TrainConfig:
         raise ConfigError(f"config key {missing[0]} has no value: set it, e.g. {missing[0]}=...")
     typed = OmegaConf.to_object(cfg)
     assert isinstance(typed, TrainConfig)
+    sc = typed.scaling
+    if sc.workers is not None:
+        if sc.workers < 1:
+            raise ConfigError(f"scaling.workers={sc.workers} is not valid: it must be >= 1")
+        sc.min_workers = sc.max_workers = sc.workers
     validate(typed)
     return typed
 
@@ -361,8 +382,10 @@ def validate(cfg: TrainConfig) -> None:
     _positive("optim.lr", o.lr)
     _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
     _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
-    if o.schedule == "cosine" and t.max_steps == 0:
-        raise ConfigError("optim.schedule=cosine needs trainer.max_steps > 0 to know its length")
+    _allowed("trainer.progress", t.progress, ("auto", "bar", "plain", "off"))
+    _positive("trainer.progress_every_s", t.progress_every_s)
+    if cfg.metrics.target is not None:
+        _check_target(cfg)
     _positive("checkpoint.every_steps", cfg.checkpoint.every_steps, allow_zero=True)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _allowed("logger.kind", cfg.logger.kind, ("wandb", "none"))
@@ -374,6 +397,22 @@ def validate(cfg: TrainConfig) -> None:
     if type(cfg.model) not in MODEL_SCHEMAS.values():
         raise ConfigError("model is not set: choose one with model=NAME (see conf/model/)")
     cfg.model.validate()
+
+
+def _check_target(cfg: TrainConfig) -> None:
+    from elastic.metrics import parse_target
+
+    target = parse_target(cfg.metrics.target or "")
+    if target.key.startswith("val/"):
+        if not cfg.data.val_path:
+            raise ConfigError(
+                f"metrics.target={target} needs a validation split: set data.val_path"
+            )
+        if not cfg.trainer.val_every_steps:
+            raise ConfigError(
+                f"metrics.target={target} is checked at validations, which run only at the "
+                "end with trainer.val_every_steps=0: set trainer.val_every_steps (e.g. 50)"
+            )
 
 
 def _lcm_hint(cfg: TrainConfig) -> int:

@@ -23,6 +23,7 @@ class RunControl:
         self._stop_reason: str | None = None
         self._fatal: str | None = None
         self._starts: list[int] = []
+        self._progress: dict[str, float] | None = None
 
     def request_stop(self, reason: str) -> None:
         self._stop_reason = self._stop_reason or reason
@@ -37,6 +38,23 @@ class RunControl:
 
     def fatal(self) -> str | None:
         return self._fatal
+
+    def progress(
+        self, step: int, epoch: int, loss: float, world: int, samples_per_s: float, at: float
+    ) -> None:
+        """Rank 0's latest log line, for the driver's progress display."""
+        self._progress = {
+            "step": step,
+            "epoch": epoch,
+            "loss": loss,
+            "world": world,
+            "samples_per_s": samples_per_s,
+            "time": at,
+        }
+
+    def status(self) -> tuple[str | None, dict[str, float] | None]:
+        """What the driver polls: (a fatal error, rank 0's latest progress)."""
+        return self._fatal, self._progress
 
     def register_start(self, world_size: int) -> list[int]:
         """World sizes of every worker group start of this fit(), this one last."""

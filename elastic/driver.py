@@ -25,7 +25,17 @@ from elastic.data import (
     data_config,
     fits_cache,
 )
-from elastic.tracking import HISTORY_FILE
+from elastic.metrics import (
+    SESSION_END,
+    SESSION_START,
+    append_record,
+    parse_target,
+    read_records,
+    run_seconds,
+    sessions,
+    time_to_target,
+)
+from elastic.progress import DriverProgress, total_steps
 
 
 def prepare_data(cfg: TrainConfig) -> dict[str, Split]:
@@ -134,6 +144,8 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
 
     splits = prepare_data(cfg)
     out = run_dir(cfg)
+    # the run's time counts while a session runs (time to target; the report's clock)
+    append_record(out, {"event": SESSION_START, "time": time.time(), "pid": os.getpid()})
     print(f"[elastic] run {cfg.run.name}: checkpoints and metrics in {out}", flush=True)
     rows = ", ".join(f"{s.rows} {name} rows" for name, s in splits.items())
     print(f"[elastic] dataset: {rows}")
@@ -183,14 +195,30 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
             dataset_config=data_config(first_epoch),
             torch_config=TorchConfig(backend="nccl" if sc.use_gpu else "gloo"),
         )
+        t = cfg.trainer
+        display = DriverProgress(
+            total_steps(
+                t.max_steps,
+                t.max_epochs,
+                t.stop_at_step,
+                splits["train"].rows,
+                cfg.data.global_batch_size,
+            ),
+            t.progress,
+            t.progress_every_s,
+        )
         try:
-            with _run_control(control, trainer):
+            with _run_control(control, trainer, None if t.progress == "off" else display):
                 result = trainer.fit()
         finally:
+            display.close()
+            append_record(out, {"event": SESSION_END, "time": time.time()})
             if first_epoch is not None:
                 first_epoch.forget()
     metrics = result.metrics or {}
-    events = read_events(out)
+    records = read_records(out)
+    events = [r for r in records if "event" in r]
+    target = parse_target(cfg.metrics.target) if cfg.metrics.target else None
     summary: dict[str, Any] = {
         "status": "finished",
         "experiment": cfg.run.experiment,
@@ -201,14 +229,19 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
         "world_sizes": world_sizes(events),
         "events": events,
         "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "run_dir": out,
         "wall_s": time.time() - started,
+        # this session's wall time above; the run's over all its sessions here
+        "run_s": run_seconds(sessions(records), time.time()),
+        "target": str(target) if target else None,
+        "time_to_target_s": time_to_target(records, target) if target else None,
     }
     summary.setdefault("wandb_dir", None)
     return summary
 
 
 @contextmanager
-def _run_control(control: Any, trainer: Any) -> Iterator[None]:
+def _run_control(control: Any, trainer: Any, display: Any = None) -> Iterator[None]:
     """The driver's side of the control actor, for the length of fit().
 
     SIGTERM or SIGUSR1 to the driver (a batch system's warning before the end of an
@@ -249,11 +282,13 @@ def _run_control(control: Any, trainer: Any) -> Iterator[None]:
                         print(f"[elastic] {name}: checkpointing now, then stopping", flush=True)
                         control.request_stop.remote(name)
             try:
-                message = ray.get(control.fatal.remote(), timeout=30)
+                message, progress = ray.get(control.status.remote(), timeout=30)
             except ray.exceptions.GetTimeoutError:
                 continue  # a busy head node; ask again
             except Exception:  # the run is ending; fit() reports what happened
                 return
+            if progress and display is not None:
+                display.update(progress)
             if message:
                 found.append(message)
                 abort(interrupt=False)
@@ -279,6 +314,9 @@ def _run_control(control: Any, trainer: Any) -> Iterator[None]:
     finally:
         done.set()
         thread.join()
+        if display is not None:  # where the run ended (a short run may end between polls)
+            with contextlib.suppress(Exception):
+                display.update(ray.get(control.status.remote(), timeout=10)[1], final=True)
         with contextlib.suppress(Exception):  # free it now, not at a garbage collection
             ray.kill(control)
         if old_fd is not None:
@@ -307,11 +345,7 @@ def read_events(run_dir: str) -> list[dict[str, Any]]:
     """Every event rank 0 has recorded for the run (all sessions, all worker groups): the
     run's history file is appended to and flushed per record, so it also holds what
     happened after the last checkpoint of a group that then failed."""
-    path = os.path.join(run_dir, HISTORY_FILE)
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [r for r in map(json.loads, f) if "event" in r]
+    return [r for r in read_records(run_dir) if "event" in r]
 
 
 def write_summary(summary: dict[str, Any], output_dir: str) -> str:

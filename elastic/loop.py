@@ -196,6 +196,7 @@ class _Trainer:
         # stop requests (the driver's SIGTERM/SIGUSR1) and node drains, made common to
         # all ranks by the per-step all-reduce
         self._stop_poller = StopPoller(control if rank == 0 else None)
+        self._progress = control if rank == 0 else None
         self._drain_probe = node_drain_probe()
         self._stop_requested = self._drain_pending = self._drain_saved = False
         self.stop_reason: str | None = None  # "stopped" (trainer.stop_at_step), "preempted"
@@ -207,14 +208,14 @@ class _Trainer:
         self.device = engine.device
         self.dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
         self.times: dict[str, float] = defaultdict(float)
-        self._data_wait_total = 0.0  # never folded away, for per-interval shares
+        # phase seconds of the current log interval (self.times is folded at checkpoints)
+        self._interval_times: dict[str, float] = defaultdict(float)
         self.session_start = self.train_start = self.train_end = time.perf_counter()
         self.steady_start: float | None = None
         self.steady_samples = 0
         # loss over the current log interval: [sum of per-sample losses, rows]
         self._interval = torch.zeros(2, dtype=torch.float64)
         self._interval_start = time.perf_counter()
-        self._interval_data_wait = 0.0
 
     # -- stopping rules ---------------------------------------------------------------
     def _done(self) -> bool:
@@ -362,8 +363,7 @@ class _Trainer:
     def _add_time(self, phase: str, since: float) -> None:
         elapsed = time.perf_counter() - since
         self.times[phase] += elapsed
-        if phase == "data_wait":
-            self._data_wait_total += elapsed
+        self._interval_times[phase] += elapsed
 
     def _maybe_log(self) -> None:
         s, t = self.state, self.cfg.trainer
@@ -376,7 +376,8 @@ class _Trainer:
         now = time.perf_counter()
         elapsed = now - self._interval_start
         samples_per_s = float(totals[1]) / elapsed if elapsed > 0 else 0.0
-        data_wait = self._data_wait_total - self._interval_data_wait
+        # rank 0's phases; a rank that waits longer in a collective shows it as backward
+        shares = {p: self._interval_times[p] / elapsed if elapsed > 0 else 0.0 for p in PHASES}
         if s.loss_first is None:
             s.loss_first = loss
         s.loss_last = loss
@@ -388,20 +389,25 @@ class _Trainer:
                 "train/lr": lr,
                 "train/samples_per_s": samples_per_s,
                 "train/samples_per_s_per_worker": samples_per_s / self.world,
-                "train/data_wait_share": data_wait / elapsed if elapsed > 0 else 0.0,
+                "train/data_wait_share": shares["data_wait"],
                 "train/epoch": s.epoch,
                 "train/world_size": self.world,
                 "train/samples_seen": s.samples_seen,
+                **{f"time/{p}_share": v for p, v in shares.items()},
             },
             console=(
                 f"[elastic] step {s.step}{self._of_max()} epoch {s.epoch} | loss {loss:.6g} | "
-                f"{samples_per_s:,.0f} samples/s | data wait {100 * data_wait / elapsed:.1f}% "
+                f"{samples_per_s:,.0f} samples/s | data wait {100 * shares['data_wait']:.1f}% "
                 f"| world {self.world}"
             ),
         )
+        if self._progress is not None:  # the driver's progress display; never waited on
+            self._progress.progress.remote(
+                s.step, s.epoch, loss, self.world, samples_per_s, time.time()
+            )
         self._interval.zero_()
         self._interval_start = now
-        self._interval_data_wait = self._data_wait_total
+        self._interval_times.clear()
 
     def _of_max(self) -> str:
         return f"/{self.cfg.trainer.max_steps}" if self.cfg.trainer.max_steps else ""

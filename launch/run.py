@@ -11,9 +11,10 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from elastic.compose import CONF_DIR, fail, plain, preflight, typed_config
+from elastic.compose import CONF_DIR, fail, plain, preflight, quote_target, typed_config
 from elastic.config import ConfigError, register_schemas
 
 register_schemas()
@@ -25,6 +26,11 @@ def main(cfg: DictConfig) -> None:
     from elastic.driver import train, write_summary
 
     hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        # one run per job: the sweep's jobs share one ${now:} (Hydra resolves it once),
+        # so the same run.name would make each job resume the one before; re-running
+        # the sweep command maps each job to its run again (resume)
+        cfg.run.name = f"{cfg.run.name}-{hc.job.num}"
     try:
         typed = typed_config(cfg, hc.runtime.choices.get("experiment") or "", hc.runtime.output_dir)
     except ConfigError as e:
@@ -46,6 +52,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = quote_target(sys.argv[1:])
     preflight(sys.argv[1:])
     try:
         main()

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from elastic.compose import CONF_DIR, compose, preflight, typed_config
+from elastic.compose import CONF_DIR, compose, preflight, quote_target, typed_config
 from elastic.config import ConfigError, TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,6 +90,21 @@ def test_public_keys_reach_the_typed_config(tmp_path):
     assert (t.data.global_batch_size, t.trainer.max_steps, t.trainer.max_epochs) == (96, 7, 2)
     assert (t.optim.lr, t.checkpoint.every_steps, t.checkpoint.keep) == (0.01, 3, 4)
     assert (t.run.name, t.logger.kind, t.cluster.address) == ("abc", "none", "10.0.0.1:6379")
+    # a fixed world size for a sweep; a target in the shell's spelling (quote_target)
+    cfg, name = compose(
+        quote_target(
+            [
+                "+experiment=smoke",
+                "scaling.workers=3",
+                "data.global_batch_size=96",
+                "trainer.val_every_steps=5",
+                "metrics.target=val/r2>=0.5",
+            ]
+        )
+    )
+    t = typed_config(cfg, name)
+    assert (t.scaling.min_workers, t.scaling.max_workers) == (3, 3)
+    assert t.metrics.target == "val/r2>=0.5"
 
 
 def _shards(tmp_path: Path, table: pa.Table, name: str = "part-0.parquet") -> Path:
@@ -135,6 +150,11 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
             ["optim.schedule=cosine", "trainer.max_steps=0", "trainer.max_epochs=1"],
             "optim.schedule=cosine",
         ),
+        (["scaling.workers=0"], "scaling.workers=0"),
+        (["trainer.progress=fancy"], "trainer.progress"),
+        (["metrics.target='val/r2=0.5'", "trainer.val_every_steps=5"], "METRIC>=NUMBER"),
+        (["metrics.target='val/r2>=0.5'"], "set trainer.val_every_steps"),
+        (["metrics.target='val/r2>=0.5'", "data.val_path=null"], "set data.val_path"),
     ]
 
 

@@ -73,16 +73,14 @@ def _assert_loss_continues(run: Run, resume_step: int) -> None:
 
 def test_node_dies_then_joins(cluster, data, tmp_path):
     """2 workers on 2 nodes; a node is killed -> the run goes on with 1; a node joins ->
-    it grows back to 2; every sample of every epoch trained once; the loss continues."""
+    it grows back to 2; every sample of every epoch trained once; the loss continues;
+    one W&B run (offline) tells the story."""
     c = cluster(2)
-    run = Run(
-        tmp_path,
-        "shrink-grow",
-        _overrides(
-            data, "scaling.min_workers=1", "scaling.max_workers=2", "scaling.cpus_per_worker=3"
-        ),
-        c.address,
+    overrides = _overrides(
+        data, "scaling.min_workers=1", "scaling.max_workers=2", "scaling.cpus_per_worker=3"
     )
+    overrides[overrides.index("logger=none")] = "logger=wandb"
+    run = Run(tmp_path, "shrink-grow", overrides, c.address)
     run.wait_for("a registered checkpoint", lambda: run.registered_steps())
     c.remove_node(c.nodes[0])
     shrunk = run.wait_for(
@@ -106,6 +104,41 @@ def test_node_dies_then_joins(cluster, data, tmp_path):
     ]
     assert_every_epoch_once(s, data / "train", EPOCHS, ROWS)
     _assert_loss_continues(run, resumes[0]["step"])
+    _assert_one_wandb_run(s, starts=len([e for e in s["events"] if e["event"] == "world_size"]))
+
+
+def _alerts(run_dir: str) -> list:
+    import glob
+
+    from wandb_records import records
+
+    (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
+    return [r.alert for r in records(path) if r.WhichOneof("record_type") == "alert"]
+
+
+def _assert_one_wandb_run(summary: dict, starts: int) -> None:
+    """Each worker-group start's rank 0 (and no other rank) resumed the same W&B run; its
+    offline files, read with wandb's own record classes, hold the world-size changes,
+    the restart and resume markers and every phase of the time breakdown."""
+    import glob
+
+    from wandb_records import history
+
+    runs = sorted(glob.glob(os.path.join(os.path.dirname(summary["wandb_dir"]), "offline-run-*")))
+    assert len(runs) == starts, runs  # one init per start: rank 0 only
+    assert len({r.rsplit("-", 1)[1] for r in runs}) == 1, runs  # one run id
+    rows = [row for r in runs for row in history(r)]
+    sizes = [row["train/world_size"] for row in rows if "train/world_size" in row]
+    assert [w for i, w in enumerate(sizes) if i == 0 or sizes[i - 1] != w] == [2, 1, 2]
+    assert sum(1 for row in rows if "event/restart" in row) == 2
+    assert sum(1 for row in rows if "event/resume" in row) == 2
+    alerts = [a for r in runs for a in _alerts(r)]
+    assert [a.title for a in alerts] == ["shrink-grow: restart"] * 2
+    assert "cause=shrink" in alerts[0].text and "cause=grow" in alerts[1].text
+    phases = {"data_wait", "forward", "backward", "optimizer", "checkpoint"}
+    logged = [row for row in rows if "train/loss" in row]
+    assert all({f"time/{p}_share" for p in phases} <= set(row) for row in logged)
+    assert all(row["train/samples_per_s"] > 0 for row in logged[1:])
 
 
 def test_worker_killed_mid_step_and_mid_checkpoint(cluster, data, tmp_path):

@@ -1,0 +1,32 @@
+"""A scaling study's report: ``python launch/report.py DIR [DIR ...] [--out DIR]``.
+
+DIR: a Hydra multirun directory (``python launch/run.py -m +experiment=X
+scaling.workers=1,2 ...`` prints where it is), run output directories, or summary.json
+files. Writes report.md, report.json and PNG figures (throughput and scaling
+efficiency, time breakdown per world size, validation metric vs time with restarts
+marked, learning speedup T1/TN) into --out (default: the first DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from elastic.report import write_report
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("paths", nargs="+", help="multirun dir, run output dirs or summary.json files")
+    p.add_argument("--out", help="where report.md and the figures go (default: first path)")
+    args = p.parse_args()
+    try:
+        path = write_report(args.paths, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"[elastic] report: {path}")
+
+
+if __name__ == "__main__":
+    main()

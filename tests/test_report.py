@@ -1,0 +1,129 @@
+"""The seed studies' metrics: time to a target metric, a scaling sweep (Hydra multirun,
+the real command line) and its report with figures, the driver's progress display."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from elastic.config import ConfigError
+from elastic.localcluster import REPO
+from elastic.metrics import parse_target, read_records, run_seconds, sessions, time_to_target
+from elastic.progress import DriverProgress
+
+
+def test_target_parses_and_bad_targets_say_how_to_write_one():
+    t = parse_target("val/accuracy>=0.9")
+    assert (t.key, t.op, t.value) == ("val/accuracy", ">=", 0.9)
+    assert t.met(0.9) and not t.met(0.89)
+    assert parse_target("val/loss <= 1e-3").met(0.0005)
+    for bad in ("val/accuracy=0.9", "accuracy>=0.9", "val/accuracy>=high", ""):
+        with pytest.raises(ConfigError, match=r"metrics.target=.*METRIC>=NUMBER"):
+            parse_target(bad)
+
+
+def test_run_time_counts_sessions_not_the_queue_between_them():
+    """A run stopped at t=100 and re-run at t=1000 (a requeued job): the target met at
+    t=1030 took 100 + 30 s of the run's time."""
+    records = [
+        {"event": "session_start", "time": 0.0},
+        {"step": 5, "time": 50.0, "val/accuracy": 0.5},
+        {"event": "session_end", "time": 100.0},
+        {"event": "session_start", "time": 1000.0},
+        {"step": 10, "time": 1030.0, "val/accuracy": 0.95},
+        {"step": 15, "time": 1060.0, "val/accuracy": 0.97},
+    ]
+    assert sessions(records) == [(0.0, 100.0), (1000.0, 1060.0)]
+    assert run_seconds(sessions(records), 1060.0) == 160.0
+    assert time_to_target(records, parse_target("val/accuracy>=0.9")) == 130.0
+    assert time_to_target(records, parse_target("val/accuracy>=0.99")) is None
+
+
+def test_progress_bar_on_a_terminal_shows_step_eta_world_and_loss():
+    out = io.StringIO()
+    bar = DriverProgress(20, "bar", out=out)
+    for step, world in ((4, 2), (12, 1)):
+        bar.update({"step": step, "epoch": 0, "loss": 0.25, "world": world, "samples_per_s": 900.0})
+    bar.close()
+    text = out.getvalue()
+    assert "12/20" in text and "world 1" in text and "loss 0.25" in text and "eta" in text
+
+
+def test_a_scaling_sweep_and_its_report(small_data, tmp_path):
+    """``-m scaling.workers=1,2`` with a target metric: each run records its time to
+    target (checked against its own history), the driver prints plain progress lines
+    with the ETA (no terminal), and report.py turns the sweep into tables whose numbers
+    are the runs' and valid PNG figures."""
+    sweep = tmp_path / "sweep"
+    cmd = [
+        sys.executable, str(REPO / "launch/run.py"), "-m", "+experiment=smoke",
+        f"data.path={small_data}/train", f"data.val_path={small_data}/val",
+        "model.input_dim=32", "model.output_dim=4", "model.hidden_dims=[64,64]",
+        "data.global_batch_size=64", "scaling.workers=1,2", "trainer.max_steps=0",
+        "trainer.max_epochs=2", "trainer.val_every_steps=4", "trainer.log_every_steps=2",
+        "metrics.target=val/r2>=0.1", "optim.lr=0.005", "logger=none",
+        "trainer.progress=plain", "trainer.progress_every_s=0.01",
+        f"run.storage_path={tmp_path}/runs", f"hydra.sweep.dir={sweep}",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    progress = [line for line in out.stdout.splitlines() if "[elastic] progress:" in line]
+    assert any("world 1" in line for line in progress), out.stdout[-3000:]
+    assert any("world 2" in line and "/32 (" in line and "eta" in line for line in progress)
+
+    summaries = {}
+    for job in ("0", "1"):
+        s = json.loads((sweep / job / "summary.json").read_text())
+        summaries[s["world_sizes"][0]] = s
+        assert s["target"] == "val/r2>=0.1"
+        records = read_records(s["run_dir"])
+        start = next(r["time"] for r in records if r.get("event") == "session_start")
+        hit = next(r for r in records if r.get("val/r2", -1) >= 0.1)
+        assert s["time_to_target_s"] == pytest.approx(hit["time"] - start, abs=1e-6)
+        assert 0 < s["time_to_target_s"] < s["run_s"]
+        # the same run's records against a target it never met
+        assert time_to_target(records, parse_target("val/r2>=1.5")) is None
+    assert sorted(summaries) == [1, 2]
+    # each job its own run (not a resume of the job before it), named after the job
+    assert [summaries[w]["run_dir"][-2:] for w in (1, 2)] == ["-0", "-1"]
+    assert all(s["samples_seen"] == 2000 and s["steps"] == 32 for s in summaries.values())
+
+    rep = subprocess.run(
+        [sys.executable, str(REPO / "launch/report.py"), str(sweep)], capture_output=True, text=True
+    )
+    assert rep.returncode == 0, rep.stderr
+    tables = json.loads((sweep / "report.json").read_text())
+    tp = {r["world_size"]: r for r in tables["throughput"]}
+    for w in (1, 2):
+        assert tp[w]["samples_per_s"] == summaries[w]["samples_per_s"]
+    rate1, rate2 = summaries[1]["samples_per_s"], summaries[2]["samples_per_s"]
+    assert tp[2]["scaling_efficiency"] == pytest.approx(rate2 / rate1 / 2)
+    learn = {r["world_size"]: r for r in tables["learning"]}
+    assert learn[2]["time_to_target_s"] == summaries[2]["time_to_target_s"]
+    assert learn[2]["learning_speedup"] == pytest.approx(
+        summaries[1]["time_to_target_s"] / summaries[2]["time_to_target_s"]
+    )
+    shares = {r["world_size"]: r for r in tables["breakdown"]}
+    assert shares[2]["backward"] == summaries[2]["time_breakdown"]["backward"]
+    md = (sweep / "report.md").read_text()
+    assert f"| 2 | 1 | {rate2:,.0f} |" in md
+    import matplotlib.image
+
+    for name in ("throughput", "time_breakdown", "val_vs_time", "speedup"):
+        image = matplotlib.image.imread(sweep / f"{name}.png")
+        assert image.shape[0] > 200 and image.shape[1] > 300, name
+        assert f"![{name}.png]({name}.png)" in md
+
+    missing = subprocess.run(
+        [sys.executable, str(REPO / "launch/report.py"), str(tmp_path / "nowhere")],
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'nowhere'} does not exist: give a multirun or run directory"
+    ]
