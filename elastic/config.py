@@ -323,7 +323,7 @@ def validate(cfg: TrainConfig) -> None:
     if sc.min_workers > sc.max_workers:
         raise ConfigError(
             f"scaling.min_workers={sc.min_workers} > scaling.max_workers={sc.max_workers}: "
-            "set min_workers <= max_workers"
+            "set min_workers <= max_workers (to sweep fixed world sizes: -m scaling.workers=1,2)"
         )
     _positive("scaling.cpus_per_worker", sc.cpus_per_worker)
     _positive("data.global_batch_size", d.global_batch_size)

@@ -127,3 +127,38 @@ def test_a_scaling_sweep_and_its_report(small_data, tmp_path):
     assert missing.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'nowhere'} does not exist: give a multirun or run directory"
     ]
+
+
+def test_repeats_are_averaged_with_their_spread(tmp_path):
+    """Two seeds at each world size (summary files as runs write them): the report's
+    rows are the means, the spreads are the sample standard deviations, and a run that
+    never reached the target counts in runs but not in reached."""
+    from elastic.report import find_runs, tables
+
+    runs = {
+        "a": (1, 100.0, 50.0),
+        "b": (1, 120.0, 70.0),
+        "c": (2, 180.0, 30.0),
+        "d": (2, 200.0, None),
+    }
+    for name, (world, rate, ttt) in runs.items():
+        (tmp_path / name).mkdir()
+        summary = {
+            "run_name": name,
+            "experiment": "x",
+            "world_sizes": [world],
+            "samples_per_s": rate,
+            "time_to_target_s": ttt,
+            "target": "val/accuracy>=0.9",
+            "val": {"accuracy": 0.9},
+            "time_breakdown": {"data_wait": 0.1, "backward": 0.5},
+        }
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    rows = tables(find_runs([str(tmp_path)]))
+    one, two = rows["throughput"]
+    assert (one["samples_per_s"], two["samples_per_s"]) == (110.0, 190.0)
+    assert one["samples_per_s_std"] == pytest.approx(14.1421356)
+    assert two["scaling_efficiency"] == pytest.approx(190 / 110 / 2)
+    learn = rows["learning"]
+    assert [(r["runs"], r["reached"]) for r in learn] == [(2, 2), (2, 1)]
+    assert learn[1]["learning_speedup"] == pytest.approx(60.0 / 30.0)

@@ -90,8 +90,12 @@ def test_wandb_offline_run_holds_the_logged_metrics(small_data, tmp_path):
             "logger=wandb",
             "run.name=tracked",
             "trainer.val_every_steps=4",
+            "metrics.target='val/r2>=0.9999'",  # out of reach in 6 steps
         )
     )
+    # a run that never met its target: recorded, with no time to it
+    assert summary["target"] == "val/r2>=0.9999" and summary["time_to_target_s"] is None
+    assert summary["val"]["r2"] < 0.9999
     run_dir = summary["wandb_dir"]
     assert run_dir and os.path.basename(run_dir).startswith("offline-run-")
     rows = history(run_dir)
