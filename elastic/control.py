@@ -9,6 +9,7 @@ even when no checkpoint recorded the previous one.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -134,6 +135,10 @@ class FirstEpoch:
         return int(value)
 
     def forget(self) -> None:
+        """Tidy-up only (the key is ~50 bytes; it goes with the cluster anyway): the
+        driver's KV client can be gone while Ray still runs (ray.cluster_utils.Cluster's
+        shutdown() resets it in its process: a test session, a notebook)."""
         from ray.experimental.internal_kv import _internal_kv_del
 
-        _internal_kv_del(self.key)
+        with contextlib.suppress(Exception):
+            _internal_kv_del(self.key)
