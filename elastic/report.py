@@ -62,7 +62,12 @@ def find_runs(paths: list[str]) -> list[Run]:
             raise FileNotFoundError(f"{p} does not exist: give a multirun or run directory")
     runs = []
     for path in found:
-        summary = json.loads(path.read_text())
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"{path} is not a readable summary.json ({e}): remove it or re-run its job"
+            ) from None
         run_dir = summary.get("run_dir")
         if not run_dir and summary.get("checkpoint"):
             run_dir = os.path.dirname(summary["checkpoint"])

@@ -155,6 +155,10 @@ def test_repeats_are_averaged_with_their_spread(tmp_path):
         }
         (tmp_path / name / "summary.json").write_text(json.dumps(summary))
     rows = tables(find_runs([str(tmp_path)]))
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "summary.json").write_text('{"steps": 3')  # a damaged file
+    with pytest.raises(ValueError, match=r"e/summary.json is not a readable summary.json"):
+        find_runs([str(tmp_path)])
     one, two = rows["throughput"]
     assert (one["samples_per_s"], two["samples_per_s"]) == (110.0, 190.0)
     assert one["samples_per_s_std"] == pytest.approx(14.1421356)
