@@ -47,7 +47,7 @@ class DriverProgress:
 
             self._bar = Progress(
                 TextColumn("[bold]step"),
-                BarColumn(),
+                BarColumn(bar_width=16),
                 MofNCompleteColumn(),
                 TextColumn("eta"),
                 TimeRemainingColumn(),
