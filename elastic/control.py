@@ -41,7 +41,7 @@ class RunControl:
         return self._fatal
 
     def progress(
-        self, step: int, epoch: int, loss: float, world: int, samples_per_s: float, at: float
+        self, step: int, epoch: int, loss: float, world: int, samples_per_s: float
     ) -> None:
         """Rank 0's latest log line, for the driver's progress display."""
         self._progress = {
@@ -50,7 +50,6 @@ class RunControl:
             "loss": loss,
             "world": world,
             "samples_per_s": samples_per_s,
-            "time": at,
         }
 
     def status(self) -> tuple[str | None, dict[str, float] | None]:

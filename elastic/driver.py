@@ -208,7 +208,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
             t.progress_every_s,
         )
         try:
-            with _run_control(control, trainer, None if t.progress == "off" else display):
+            with _run_control(control, trainer, display):
                 result = trainer.fit()
         finally:
             display.close()

@@ -402,9 +402,7 @@ class _Trainer:
             ),
         )
         if self._progress is not None:  # the driver's progress display; never waited on
-            self._progress.progress.remote(
-                s.step, s.epoch, loss, self.world, samples_per_s, time.time()
-            )
+            self._progress.progress.remote(s.step, s.epoch, loss, self.world, samples_per_s)
         self._interval.zero_()
         self._interval_start = now
         self._interval_times.clear()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic.metrics import read_records, run_seconds, sessions
+from elastic.metrics import Target, parse_target, read_records, run_seconds, sessions
 
 PHASES = ("data_wait", "forward", "backward", "optimizer", "checkpoint", "other")
 MARKED_EVENTS = ("restart", "resume", "preempted", "node_drain")
@@ -127,13 +127,16 @@ def groups(runs: list[Run]) -> list[Group]:
     return [Group(w, by_world[w]) for w in sorted(by_world)]
 
 
+def run_target(runs: list[Run]) -> Target | None:
+    """The runs' metrics.target (the first run that has one)."""
+    text = next((r.summary["target"] for r in runs if r.summary.get("target")), None)
+    return parse_target(text) if text else None
+
+
 def metric_key(runs: list[Run]) -> str:
     """The validation metric to follow: the runs' target metric, else val/loss."""
-    for r in runs:
-        target = r.summary.get("target")
-        if target:
-            return str(target).replace(">=", "<=").split("<=")[0]
-    return "val/loss"
+    target = run_target(runs)
+    return target.key if target else "val/loss"
 
 
 def tables(runs: list[Run]) -> dict[str, list[dict[str, Any]]]:
@@ -252,10 +255,11 @@ def plots(runs: list[Run], rows: dict[str, list[dict[str, Any]]], out: Path) -> 
         for e in run.records:
             if e.get("event") in MARKED_EVENTS and "time" in e:
                 ax.axvline(run.clock(e["time"]), color=color, alpha=0.35, linestyle=":")
-    target = next((r.summary.get("target") for r in runs if r.summary.get("target")), None)
+    target = run_target(runs)
     if target:
-        value = float(str(target).replace(">=", "<=").split("<=")[1])
-        ax.axhline(value, color="black", linestyle="--", linewidth=1, label=f"target {target}")
+        ax.axhline(
+            target.value, color="black", linestyle="--", linewidth=1, label=f"target {target}"
+        )
     ax.set(
         xlabel="run time (s)",
         ylabel=key,
@@ -292,7 +296,7 @@ def plots(runs: list[Run], rows: dict[str, list[dict[str, Any]]], out: Path) -> 
 
 def markdown(runs: list[Run], rows: dict[str, list[dict[str, Any]]], images: list[str]) -> str:
     key = metric_key(runs)
-    target = next((r.summary.get("target") for r in runs if r.summary.get("target")), None)
+    target = run_target(runs)
     experiments = sorted({str(r.summary.get("experiment") or "?") for r in runs})
     lines = [
         f"# Scaling report: {', '.join(experiments)}",

@@ -16,9 +16,10 @@ from elastic.config import LoggerConfig
 
 STEP_KEY = "trainer/step"
 HISTORY_FILE = "metrics.jsonl"
+# seconds between W&B's flushes of the run's transaction log (see Tracker)
+FLUSH_S = 1.0
 # events worth a W&B alert: the job lost or regained workers, was stopped, or its batch
 # plan changed
-FLUSH_S = 1.0
 ALERTS = ("restart", "preempted", "node_drain", "batch_policy")
 
 

@@ -49,6 +49,8 @@ from pathlib import Path
 
 import torch.utils.data
 
+from elastic.metrics import read_records
+
 REPO = Path(__file__).resolve().parent.parent
 WARMUP_STEPS = 20
 
@@ -84,16 +86,17 @@ def _elastic_step_s(overrides: list[str], steps: int, workdir: str) -> dict[str,
     ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     times, epochs = {}, {}
-    with open(os.path.join(workdir, name, "metrics.jsonl")) as f:
-        for rec in map(json.loads, f):
-            if "train/loss" in rec:
-                times[rec["step"]], epochs[rec["step"]] = rec["time"], rec["train/epoch"]
+    for rec in read_records(os.path.join(workdir, name)):
+        if "train/loss" in rec:
+            times[rec["step"]], epochs[rec["step"]] = rec["time"], rec["train/epoch"]
     logged = sorted(s for s in times if s >= WARMUP_STEPS)
-    first, later = [], []
+    first, later = [], []  # an interval holding the first epoch's end is in neither
     for a, b in zip(logged[:-1], logged[1:], strict=True):
-        (first if epochs[b] == 0 else later if epochs[a] >= 1 else []).append(
-            (times[b] - times[a]) / (b - a)
-        )
+        per_step = (times[b] - times[a]) / (b - a)
+        if epochs[b] == 0:
+            first.append(per_step)
+        elif epochs[a] >= 1:
+            later.append(per_step)
     if not first or not later:
         raise SystemExit(
             f"bench overhead: --steps {steps} does not reach past the first epoch after "
