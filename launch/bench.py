@@ -4,6 +4,9 @@
     python launch/bench.py recovery [--rounds 1]
     python launch/bench.py chaos [--seed 0] [--epochs 20]
     python launch/bench.py ingest [--rounds 2] [--epochs 3]
+    python launch/bench.py memory [--stages 0 1 2 3] [--worlds 1 2 3]
+    python launch/bench.py gpu [--steps 300] [--cpu-check]
+    python launch/bench.py all [--quick] [--skip NAME ...]
 
 overhead: steady-state step time of the smoke experiment through ``elastic`` (Ray Train
 + DeepSpeed + streamed Parquet) vs plain ``torchrun --nproc-per-node 2`` DDP on the same
@@ -31,6 +34,19 @@ bench-ingest.json.
 chaos: one run with 10 random worker kills, 2 node removals and 2 node additions, beside
 a clean run with the same seed; exactly-once samples and the final validation loss.
 Writes bench-chaos.json.
+
+memory: model-state bytes per rank of elastic's DeepSpeed engines (ZeRO 0-3, bf16 and
+fp32 Adam, 1-3 gloo ranks), measured from the live tensors after a backward pass,
+against the ZeRO paper's formulas (the peer); within 10%. Writes bench-memory.json.
+
+gpu: cbed_vit at ViT-L size (~300M parameters) in bf16, one worker per visible NVIDIA
+GPU (NCCL): steady-state samples/s and model FLOPs utilisation (FLOPs counted by torch's
+FlopCounterMode, over the GPU's dense bf16 peak). Needs a GPU; --cpu-check runs the same
+path small on CPU. Writes bench-gpu.json.
+
+all: overhead, ingest, recovery, chaos and memory in one run, each beside its peer and
+target in one Markdown table (bench-all.md) and bench-all.json; --quick takes fewer
+rounds and steps.
 """
 
 from __future__ import annotations
@@ -722,6 +738,335 @@ def ingest(args: argparse.Namespace) -> dict:
     return report
 
 
+# ZeRO paper (Rajbhandari et al. 2020), model-state bytes per parameter on one rank, Adam:
+# mixed precision: 2 (bf16 params) + 2 (bf16 grads) + K=12 (fp32 master, momentum,
+# variance), partitioned by stage. fp32 equivalents: 4 + 4 + K, where DeepSpeed keeps an
+# fp32 master partition even for fp32 params at stages 1-3 (K=12) and stage 0 is the
+# plain torch Adam (K=8: moments only).
+ZERO_BYTES_PER_PARAM = {
+    "bf16": {
+        0: lambda n: 16.0,
+        1: lambda n: 4 + 12 / n,
+        2: lambda n: 2 + 14 / n,
+        3: lambda n: 16 / n,
+    },
+    "fp32": {
+        0: lambda n: 16.0,
+        1: lambda n: 8 + 12 / n,
+        2: lambda n: 4 + 16 / n,
+        3: lambda n: 20 / n,
+    },
+}
+MEMORY_TOLERANCE = 0.10
+
+
+def _zero_memory(stage: int, precision: str, world: int, hidden: int, layers: int) -> dict:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={world}", str(REPO / "launch/peers/zero_memory.py"),
+        "--stage", str(stage), "--precision", precision, "--hidden", str(hidden),
+        "--layers", str(layers),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    return json.loads([s for s in out.splitlines() if s.startswith("{")][-1])
+
+
+def memory(args: argparse.Namespace) -> dict:
+    """Model-state bytes per rank of elastic's engines vs the ZeRO paper's formulas."""
+    rows = []
+    for precision in args.precision:
+        for stage in args.stages:
+            for world in args.worlds:
+                m = _zero_memory(stage, precision, world, args.hidden, args.layers)
+                psi = m["psi"]
+                worst = max(m["ranks"], key=lambda r: r["model_state_bytes"])
+                measured = worst["model_state_bytes"] / psi
+                formula = ZERO_BYTES_PER_PARAM[precision][stage](world)
+                row = {
+                    "precision": precision,
+                    "stage": stage,
+                    "world": world,
+                    "params": psi,
+                    "measured_bytes_per_param": measured,
+                    "formula_bytes_per_param": formula,
+                    "ratio": measured / formula,
+                    "within_tolerance": abs(measured / formula - 1) <= MEMORY_TOLERANCE,
+                    "note": "",
+                    "other_bytes_per_param": worst["other_bytes"] / psi,
+                    "parts_bytes_per_param": {k: v / psi for k, v in worst["parts"].items()},
+                }
+                if stage == 1 and world > 1:
+                    # DeepSpeed runs stage 1 in its stage-2 optimizer: gradients are
+                    # reduce-scattered into partitions too, so stage 1 takes less than the
+                    # paper's P_os formula; the stage-2 formula is what it implements
+                    like2 = measured / ZERO_BYTES_PER_PARAM[precision][2](world)
+                    row["ratio_to_stage2_formula"] = like2
+                    row["note"] = f"gradients partitioned too: {like2:.2f}x the stage-2 formula"
+                rows.append(row)
+                print(
+                    f"{precision} ZeRO-{stage} x{world}: {measured:.2f} bytes/param measured vs "
+                    f"{formula:.2f} formula ({measured / formula:.2f}x; "
+                    f"{'within' if row['within_tolerance'] else 'OUTSIDE'} "
+                    f"{MEMORY_TOLERANCE:.0%}), other tensors {row['other_bytes_per_param']:.1f}"
+                    f" bytes/param {row['note']}",
+                    flush=True,
+                )
+    return {
+        "rows": rows,
+        "tolerance": MEMORY_TOLERANCE,
+        "model": f"MLP 512-{args.hidden}x{args.layers}-8",
+        "all_within_tolerance": all(r["within_tolerance"] for r in rows),
+    }
+
+
+# -- gpu: the largest experiment at ViT-L size on NVIDIA GPUs ---------------------------
+
+# dense bf16 tensor-core peak per GPU (vendor datasheets, TFLOP/s), matched in the name
+GPU_PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H200", 989.0),
+    ("H100", 989.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+)
+VIT_L = ["model.dim=1024", "model.depth=24", "model.heads=16"]
+VIT_CPU_CHECK = ["model.dim=64", "model.depth=2", "model.heads=4"]
+
+
+def flops_per_sample(overrides: list[str]) -> tuple[float, int]:
+    """Training FLOPs (forward + backward) per sample of the composed experiment's model,
+    counted by torch's FlopCounterMode on the meta device (no memory, no data), and its
+    parameter count."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from elastic.compose import compose
+    from elastic.config import to_typed
+
+    cfg = to_typed(compose(overrides)[0])
+    with torch.device("meta"):
+        model = cfg.model.build()
+    width = getattr(cfg.model, "input_dim", None)
+    shape = (8, width) if width else (8, cfg.model.in_channels, cfg.model.side, cfg.model.side)
+    with FlopCounterMode(display=False) as counter:
+        model(torch.empty(shape, device="meta")).float().sum().backward()
+    return counter.get_total_flops() / 8, sum(p.numel() for p in model.parameters())
+
+
+def gpu(args: argparse.Namespace) -> dict:
+    """Samples/s and model FLOPs utilisation of cbed_vit at ViT-L size, bf16, one worker
+    per GPU, steady state (log intervals after the warm-up steps)."""
+    import torch.cuda
+
+    from elastic.cbed import Settings, synthetic
+
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not args.cpu_check:
+        raise SystemExit(
+            "bench gpu: no CUDA GPU here (torch.cuda.is_available() is False): run it on a "
+            "GPU node, or add --cpu-check to run the same path small on CPU"
+        )
+    gpus = torch.cuda.device_count() if on_gpu else 1
+    name = torch.cuda.get_device_name(0) if on_gpu else "cpu"
+    peak = args.peak_tflops or next((t for k, t in GPU_PEAK_BF16_TFLOPS if k in name), None)
+    data = Path(args.data_dir)
+    if not (data / "train").is_dir():
+        synthetic(data, args.rows, Settings(size=64), val_fraction=0.0, shards=16)
+    model = VIT_L if on_gpu else VIT_CPU_CHECK
+    overrides = [
+        "+experiment=cbed_vit", *model, f"data.path={data}/train", "data.val_path=null",
+        f"data.global_batch_size={args.batch_per_gpu * gpus}", f"scaling.workers={gpus}",
+        f"scaling.use_gpu={str(on_gpu).lower()}", "strategy.precision=bf16",
+        f"strategy.zero_stage={args.zero_stage}", f"scaling.cpus_per_worker={args.cpus_per_gpu}",
+        f"data.cache_mb={args.cache_mb}",
+    ]  # fmt: skip
+    flops, params = flops_per_sample(overrides)
+    steps = args.steps if on_gpu else 40
+    workdir = tempfile.mkdtemp(prefix="elastic-bench-")
+    run = f"gpu-{time.time_ns()}"
+    cmd = [
+        sys.executable, str(REPO / "launch/run.py"), *overrides, f"trainer.max_steps={steps}",
+        "trainer.log_every_steps=10", "checkpoint.every_steps=0", "logger=none",
+        "trainer.progress=off", f"run.storage_path={workdir}", f"run.name={run}",
+        f"hydra.run.dir={workdir}/hydra",
+    ]  # fmt: skip
+    try:
+        subprocess.run(cmd, check=True)
+        records = [r for r in read_records(os.path.join(workdir, run)) if "train/loss" in r]
+        summary = json.loads((Path(workdir) / "hydra" / "summary.json").read_text())
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    warm = [r for r in records if r["step"] >= min(args.warmup_steps, steps // 2)]
+    span_s = warm[-1]["time"] - warm[0]["time"]
+    samples_per_s = (warm[-1]["step"] - warm[0]["step"]) * args.batch_per_gpu * gpus / span_s
+    achieved = samples_per_s * flops
+    report = {
+        "device": name,
+        "gpus": gpus,
+        "params": params,
+        "model": "cbed_vit " + " ".join(model),
+        "flops_per_sample": flops,
+        "samples_per_s": samples_per_s,
+        "achieved_tflops_per_gpu": achieved / gpus / 1e12,
+        "peak_bf16_tflops_per_gpu": peak,
+        "mfu": achieved / (gpus * peak * 1e12) if peak and on_gpu else None,
+        "data_wait": summary["time_breakdown"]["data_wait"],
+        "time_breakdown": summary["time_breakdown"],
+        "setup": {"overrides": overrides, "steps": steps, "warmup_steps": args.warmup_steps},
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    mfu = f"{100 * report['mfu']:.1f}%" if report["mfu"] is not None else "n/a (no GPU peak)"
+    print(
+        f"gpu: {name} x{gpus}, {params / 1e6:.1f}M params, {flops / 1e9:.3g} GFLOP/sample: "
+        f"{samples_per_s:,.0f} samples/s, {report['achieved_tflops_per_gpu']:.3g} TFLOP/s per "
+        f"device, MFU {mfu}; data wait {100 * report['data_wait']:.1f}% of the run"
+    )
+    return report
+
+
+# -- all: every benchmark in one run, one table -----------------------------------------
+
+ALL_ORDER = ("overhead", "ingest", "recovery", "chaos", "memory")
+QUICK = {  # --quick: fewer rounds and steps, same figures (noisier)
+    "overhead": ["--rounds", "1", "--steps", "400"],
+    "ingest": ["--rounds", "1", "--wait-steps", "60"],
+    "recovery": ["--rounds", "1"],
+    "chaos": ["--epochs", "10"],
+    "memory": ["--precision", "bf16"],
+}
+ISSUE_TARGETS = {"step_ratio": 1.05, "ingest_ratio": 1.0, "data_wait": 0.02, "checkpoint": 0.02}
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("met" if ok else "NOT met")
+
+
+def _table_rows(results: dict) -> list[tuple[str, str, str, str, str, str]]:
+    """(figure, elastic, peer, ratio, target, verdict) for every measured figure."""
+    rows: list[tuple[str, str, str, str, str, str]] = []
+    t = ISSUE_TARGETS
+    if o := results.get("overhead"):
+        rows.append((
+            "step time, steady state (smoke, 2 workers)", f"{o['elastic_step_s'] * 1e3:.1f} ms",
+            f"{o['torchrun_step_s'] * 1e3:.1f} ms (torchrun DDP)", f"{o['ratio']:.2f}",
+            f"<= {t['step_ratio']}", _verdict(o["ratio"] <= t["step_ratio"]),
+        ))  # fmt: skip
+        rows.append((
+            "step time, first epoch (Parquet decoded on the same cores)",
+            f"{o['elastic_first_epoch_step_s'] * 1e3:.1f} ms",
+            f"{o['torchrun_step_s'] * 1e3:.1f} ms (torchrun DDP)",
+            f"{o['ratio_first_epoch']:.2f}", "", "n/a",
+        ))  # fmt: skip
+    for name, d in (results.get("ingest") or {}).get("datasets", {}).items():
+        rows.append((
+            f"ingest {name}, rows/s into 2 workers", f"{d['elastic_rows_per_s']:,.0f}",
+            f"{d['dataloader_rows_per_s']:,.0f} (DataLoader, 2 procs)", f"{d['ratio']:.2f}",
+            f">= {t['ingest_ratio']}", _verdict(d["ratio"] >= t["ingest_ratio"]),
+        ))  # fmt: skip
+        steady = d["data_wait"]["steady"]
+        rows.append((
+            f"data wait, {d['experiment']} (steady state)",
+            "n/a" if steady is None else f"{100 * steady:.1f}%", "", "",
+            f"<= {100 * t['data_wait']:.0f}%",
+            _verdict(None if steady is None else steady <= t["data_wait"]),
+        ))  # fmt: skip
+    if r := results.get("recovery"):
+        for key, label, target in (
+            ("shrink_s", "node killed -> first step at 1 worker", 15.0),
+            ("grow_s", "node added -> first step at 2 workers", 20.0),
+            ("worker_kill_s", "worker SIGKILL -> next step", None),
+        ):
+            rows.append((
+                label, f"{r[key]:.1f} s", f"{r[key + '_ray_defaults']:.1f} s (Ray Train defaults)",
+                f"{r[key + '_ratio']:.2f}", "" if target is None else f"<= {target:.0f} s",
+                _verdict(None if target is None else r[key] <= target),
+            ))  # fmt: skip
+        rows.append((
+            f"checkpoint share of wall time (every {r['checkpoint_every_steps']} steps)",
+            f"{100 * r['checkpoint_overhead']:.2f}%", "", "", f"<= {100 * t['checkpoint']:.0f}%",
+            _verdict(r["checkpoint_overhead"] <= t["checkpoint"]),
+        ))  # fmt: skip
+    if c := results.get("chaos"):
+        clean = c["runs"]["clean"]["val_loss"]
+        rows.append((
+            f"val loss after {sum(c['actions'].values())} kills/removals/additions",
+            f"{c['runs']['chaos']['val_loss']:.4f}", f"{clean:.4f} (the same run, undisturbed)",
+            f"{1 + c['val_loss_gap']:.3f}", f"within {100 * c['target_loss_gap']:.0f}%, "
+            "every sample once",
+            _verdict(c["finished"] and c["samples_exactly_once"]
+                     and c["val_loss_gap"] <= c["target_loss_gap"]),
+        ))  # fmt: skip
+    if m := results.get("memory"):
+        by: dict[tuple[str, int], list[dict]] = {}
+        for row in m["rows"]:
+            by.setdefault((row["precision"], row["stage"]), []).append(row)
+        for (precision, stage), cells in by.items():
+            worlds = "/".join(str(c["world"]) for c in cells)
+            worst = max(cells, key=lambda c: abs(c["ratio"] - 1))
+            notes = "; ".join(c["note"] for c in cells if c["note"])
+            rows.append((
+                f"model-state bytes/param, ZeRO-{stage} {precision}, N={worlds}",
+                " / ".join(f"{c['measured_bytes_per_param']:.2f}" for c in cells),
+                " / ".join(f"{c['formula_bytes_per_param']:.2f}" for c in cells)
+                + " (ZeRO formula)",
+                f"{worst['ratio']:.2f}", f"within {100 * m['tolerance']:.0f}%",
+                _verdict(all(c["within_tolerance"] for c in cells))
+                + (f" ({notes})" if notes else ""),
+            ))  # fmt: skip
+    return rows
+
+
+def markdown_table(results: dict) -> str:
+    lines = [
+        "| figure | elastic | peer | ratio | target | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in _table_rows(results)]
+    return "\n".join(lines) + "\n"
+
+
+def run_all(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """Every benchmark in turn with its own defaults (``--quick``: fewer rounds); each
+    writes its own bench-NAME.json as well; one failing does not stop the others."""
+    results: dict = {}
+    errors: dict[str, str] = {}
+    for name in ALL_ORDER:
+        if name in args.skip:
+            continue
+        sub_args = parser.parse_args([name, *(QUICK[name] if args.quick else [])])
+        print(f"== {name}", flush=True)
+        start = time.perf_counter()
+        try:
+            results[name] = BENCHES[name](sub_args)
+        except Exception as e:  # report it and go on: the table shows what was measured
+            errors[name] = f"{type(e).__name__}: {e}"
+            print(f"{name} failed: {errors[name]}", flush=True)
+            continue
+        results[name]["bench_s"] = time.perf_counter() - start
+        Path(f"bench-{name}.json").write_text(json.dumps(results[name], indent=2) + "\n")
+    table = markdown_table(results)
+    Path("bench-all.md").write_text(table)
+    print(table)
+    return {
+        "results": results,
+        "errors": errors,
+        "table": table,
+        "quick": args.quick,
+        "date": time.strftime("%Y-%m-%d"),
+        "cpus": os.cpu_count(),
+    }
+
+
+BENCHES = {
+    "overhead": overhead,
+    "recovery": recovery,
+    "chaos": chaos,
+    "ingest": ingest,
+    "memory": memory,
+    "gpu": gpu,
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="bench", required=True)
@@ -746,12 +1091,33 @@ def main() -> None:
     i.add_argument("--wait-steps", type=int, default=100)
     i.add_argument("--data-dir", default="data/bench-ingest", help="generated once, reused")
     i.add_argument("--only", nargs="*", choices=sorted(INGEST_DATASETS), help="some datasets")
+    m = sub.add_parser("memory", help="model-state bytes per rank vs the ZeRO formulas")
+    m.add_argument("--stages", type=int, nargs="*", default=[0, 1, 2, 3])
+    m.add_argument("--worlds", type=int, nargs="*", default=[1, 2, 3])
+    m.add_argument("--precision", nargs="*", choices=["bf16", "fp32"], default=["bf16", "fp32"])
+    m.add_argument("--hidden", type=int, default=1024, help="MLP width")
+    m.add_argument("--layers", type=int, default=12, help="MLP hidden layers")
+    g = sub.add_parser("gpu", help="samples/s and MFU of cbed_vit at ViT-L size on GPUs")
+    g.add_argument("--steps", type=int, default=300)
+    g.add_argument("--warmup-steps", type=int, default=50)
+    g.add_argument("--batch-per-gpu", type=int, default=64)
+    g.add_argument("--zero-stage", type=int, default=2)
+    g.add_argument("--cpus-per-gpu", type=float, default=2)
+    g.add_argument("--cache-mb", type=float, default=4096)
+    g.add_argument("--rows", type=int, default=16384)
+    g.add_argument("--data-dir", default="data/bench-gpu", help="generated once, reused")
+    g.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, if unknown")
+    g.add_argument("--cpu-check", action="store_true", help="the same path, small, on CPU")
+    a = sub.add_parser("all", help="every benchmark, one table: bench-all.md, bench-all.json")
+    a.add_argument("--quick", action="store_true", help="fewer rounds and steps")
+    a.add_argument("--skip", nargs="*", default=[], choices=ALL_ORDER)
     args = p.parse_args()
-    benches = {"overhead": overhead, "recovery": recovery, "chaos": chaos, "ingest": ingest}
-    report = benches[args.bench](args)
+    report = run_all(p, args) if args.bench == "all" else BENCHES[args.bench](args)
     out = Path(f"bench-{args.bench}.json")
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out.resolve()}")
+    if args.bench == "all" and report["errors"]:
+        sys.exit(f"bench all: {', '.join(report['errors'])} failed (see above)")
 
 
 if __name__ == "__main__":
