@@ -274,12 +274,17 @@ def _check_images(d: DataConfig, model: Any) -> None:
     if channels is None:
         raise ConfigError(
             f"data.format=image needs an image model, not model={getattr(model, 'name', '?')}: "
-            "use model=resnet"
+            "use model=resnet or model=vit"
         )
     if channels != d.image_channels:
         raise ConfigError(
             f"model.in_channels={channels} but data.image_channels={d.image_channels}: "
             "make them equal"
+        )
+    side = getattr(model, "image_size", None)  # models whose shape depends on the side
+    if side is not None and not model.input_size and side != d.image_size:
+        raise ConfigError(
+            f"model.image_size={side} but data.image_size={d.image_size}: make them equal"
         )
 
 
@@ -330,6 +335,11 @@ def validate(cfg: TrainConfig) -> None:
     _allowed("data.format", d.format, ("array", "image", "contacts"))
     if d.format == "image":
         _check_images(d, cfg.model)
+    if d.format == "array" and getattr(cfg.model, "input_size", None) == 0:
+        raise ConfigError(
+            f"model={cfg.model.name} takes images but data.format=array gives flat rows: set "
+            "model.input_size (rows of model.in_channels x input_size^2 values) or use image data"
+        )
     _positive("data.block_size_mb", d.block_size_mb)
     _positive("data.prefetch_mb", d.prefetch_mb)
     _positive("data.cache_mb", d.cache_mb, allow_zero=True)

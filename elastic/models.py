@@ -75,6 +75,25 @@ class _Block(nn.Module):
         return torch.relu(self.body(x) + self.skip(x))
 
 
+def _check_image_model(m: ResNetConfig | ViTConfig) -> None:
+    """What the image models share: task, outputs, classes, channels, flat input side."""
+    from elastic.config import ConfigError
+
+    if m.task not in TASKS:
+        raise ConfigError(f"model.task={m.task!r} is not valid: use one of {TASKS}")
+    if m.in_channels < 1 or m.output_dim < 1:
+        raise ConfigError("model.in_channels and model.output_dim must be >= 1")
+    if m.task == "classification" and m.output_dim < 2:
+        raise ConfigError("model.output_dim must be >= 2 (classes) for classification")
+    if m.task == "multitask" and not 2 <= m.classes < m.output_dim:
+        raise ConfigError(
+            f"model.classes={m.classes} with model.output_dim={m.output_dim} is not "
+            "valid for multitask: classes >= 2 and output_dim = classes + regression outputs"
+        )
+    if m.input_size < 0:
+        raise ConfigError(f"model.input_size={m.input_size} is not valid: use 0 or >= 4")
+
+
 class _LogIntensity(nn.Module):
     """x (normalised to sum 1 per image) -> log(1 + x * H * W): mean pixel at log 2."""
 
@@ -111,23 +130,11 @@ class ResNetConfig:
     def validate(self) -> None:
         from elastic.config import ConfigError
 
-        if self.task not in TASKS:
-            raise ConfigError(f"model.task={self.task!r} is not valid: use one of {TASKS}")
-        if self.in_channels < 1 or self.output_dim < 1 or self.blocks_per_stage < 1:
-            raise ConfigError(
-                "model.in_channels, model.output_dim and model.blocks_per_stage must be >= 1"
-            )
+        _check_image_model(self)
+        if self.blocks_per_stage < 1:
+            raise ConfigError(f"model.blocks_per_stage={self.blocks_per_stage}: must be >= 1")
         if not self.widths or any(w < 1 for w in self.widths):
             raise ConfigError(f"model.widths={self.widths} is not valid: one or more, all >= 1")
-        if self.task == "classification" and self.output_dim < 2:
-            raise ConfigError("model.output_dim must be >= 2 (classes) for classification")
-        if self.task == "multitask" and not 2 <= self.classes < self.output_dim:
-            raise ConfigError(
-                f"model.classes={self.classes} with model.output_dim={self.output_dim} is not "
-                "valid for multitask: classes >= 2 and output_dim = classes + regression outputs"
-            )
-        if self.input_size < 0:
-            raise ConfigError(f"model.input_size={self.input_size} is not valid: use 0 or >= 4")
 
     def build(self) -> nn.Module:
         layers: list[nn.Module] = []
@@ -238,7 +245,101 @@ class CVAEConfig:
         return _ContactVAE(self.residues, list(self.channels), self.latent_dim, self.beta)
 
 
-MODEL_SCHEMAS: dict[str, type] = {"mlp": MLPConfig, "resnet": ResNetConfig, "cvae": CVAEConfig}
+class _ViT(nn.Module):
+    def __init__(self, c: ViTConfig) -> None:
+        super().__init__()
+        side = c.side
+        self.prepare = nn.Sequential(
+            nn.Unflatten(1, (c.in_channels, side, side)) if c.input_size else nn.Identity(),
+            _LogIntensity() if c.log_input else nn.Identity(),
+        )
+        self.patches = nn.Conv2d(c.in_channels, c.dim, c.patch_size, c.patch_size)
+        tokens = (side // c.patch_size) ** 2
+        self.cls = nn.Parameter(torch.zeros(1, 1, c.dim))
+        self.position = nn.Parameter(torch.randn(1, tokens + 1, c.dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(
+            c.dim,
+            c.heads,
+            int(c.dim * c.mlp_ratio),
+            dropout=0.0,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
+        )
+        self.encoder = nn.TransformerEncoder(layer, c.depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(c.dim)
+        self.head = nn.Linear(c.dim, c.output_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patches(self.prepare(x)).flatten(2).transpose(1, 2)  # [N, tokens, dim]
+        x = torch.cat([self.cls.expand(len(x), -1, -1), x], dim=1) + self.position
+        return self.head(self.norm(self.encoder(x)[:, 0]))
+
+
+@dataclass
+class ViTConfig:
+    """A Vision Transformer on [N, C, H, W] images (or flat rows of them): non-overlapping
+    patches, a class token, pre-norm encoder blocks, a linear head on the class token.
+    The default is small enough for a CPU run; ``dim=1024 depth=24 heads=16`` is ViT-L
+    (~300M parameters), the size ``bench.py gpu`` measures."""
+
+    name: str = "vit"
+    in_channels: int = 1
+    image_size: int = 32
+    """Side of the square images the model takes (data.image_size for image data)."""
+    patch_size: int = 8
+    dim: int = 128
+    depth: int = 4
+    heads: int = 4
+    mlp_ratio: float = 4.0
+    output_dim: int = 10
+    task: str = "classification"
+    classes: int = 0
+    """multitask: how many of the outputs are class logits."""
+    input_size: int = 0
+    """As ResNetConfig: flat rows of in_channels x input_size^2 values are reshaped to
+    images (then it is the side and image_size is not used); 0 = the data are images."""
+    log_input: bool = False
+
+    @property
+    def side(self) -> int:
+        return self.input_size or self.image_size
+
+    @property
+    def input_dim(self) -> int | None:
+        return self.in_channels * self.input_size**2 if self.input_size else None
+
+    def validate(self) -> None:
+        from elastic.config import ConfigError
+
+        _check_image_model(self)
+        for key in ("image_size", "patch_size", "dim", "depth", "heads"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.{key}={getattr(self, key)} is not valid: must be >= 1")
+        if self.side % self.patch_size:
+            key = "input_size" if self.input_size else "image_size"
+            raise ConfigError(
+                f"model.patch_size={self.patch_size} does not divide model.{key}={self.side}: "
+                "use a patch size that divides the image side"
+            )
+        if self.dim % self.heads:
+            raise ConfigError(
+                f"model.dim={self.dim} does not split into model.heads={self.heads}: "
+                "use a dim that is a multiple of heads"
+            )
+        if self.mlp_ratio <= 0:
+            raise ConfigError(f"model.mlp_ratio={self.mlp_ratio} is not valid: must be > 0")
+
+    def build(self) -> nn.Module:
+        return _ViT(self)
+
+
+MODEL_SCHEMAS: dict[str, type] = {
+    "mlp": MLPConfig,
+    "resnet": ResNetConfig,
+    "vit": ViTConfig,
+    "cvae": CVAEConfig,
+}
 
 
 def vae_terms(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, ...]:

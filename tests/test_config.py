@@ -169,6 +169,22 @@ def test_each_bad_input_fails_with_one_line_naming_key(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["model.input_size=0"], "set model.input_size"),
+        (["model.patch_size=6"], "model.patch_size=6 does not divide model.input_size=64"),
+        (["model.dim=30"], "model.dim=30"),
+        (["model.depth=0"], "model.depth=0"),
+    ],
+)
+def test_bad_vision_transformer_shapes_fail_with_one_line(extra, needle, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        preflight(["+experiment=cbed_vit", f"run.storage_path={tmp_path}/runs", *extra])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and err.count("\n") == 0 and needle in err, err
+
+
 def test_unknown_experiment_lists_the_available_ones(capsys):
     with pytest.raises(SystemExit) as exc:
         preflight(["+experiment=smokey"])
