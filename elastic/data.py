@@ -174,9 +174,28 @@ def decode_batch(batch: pa.Table, input_column: str, target_column: str) -> dict
     }
 
 
-def fits_cache(split: Split, cache_mb: float, min_workers: int) -> bool:
-    """Whether each worker's share of ``split`` fits ``data.cache_mb`` at any world size."""
-    return split.bytes <= cache_mb * 1024 * 1024 * min_workers
+def decoded_bytes(cfg: DataConfig, split: Split) -> int:
+    """What ``split`` takes in memory decoded (what a cache holds, several times its
+    Parquet size for packed contact maps or compressed images): the decoder's output for
+    the first rows of a shard, per row, times the split's rows."""
+    decode, kwargs = decoder(cfg, split.files[0])
+    for f in split.files:
+        pf = pq.ParquetFile(f)
+        columns = [ID_COLUMN, cfg.input_column, cfg.target_column]
+        if cfg.format == "image" and "path" in pf.schema_arrow.names:
+            columns.append("path")
+        for batch in pf.iter_batches(batch_size=16, columns=columns):
+            if batch.num_rows:
+                out = decode(pa.Table.from_batches([batch]), **kwargs)
+                per_row = sum(v.nbytes for v in out.values()) / batch.num_rows
+                return int(per_row * split.rows)
+    return 0  # no rows at all
+
+
+def fits_cache(cfg: DataConfig, split: Split, min_workers: int) -> bool:
+    """Whether each worker's share of ``split``, decoded, fits ``data.cache_mb`` at any
+    world size."""
+    return decoded_bytes(cfg, split) <= cfg.cache_mb * 1024 * 1024 * min_workers
 
 
 def block_bytes(split_bytes: int, block_size_mb: float, max_workers: int) -> int:

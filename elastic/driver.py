@@ -150,7 +150,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     rows = ", ".join(f"{s.rows} {name} rows" for name, s in splits.items())
     print(f"[elastic] dataset: {rows}")
     sc = cfg.scaling
-    cache_train = fits_cache(splits["train"], cfg.data.cache_mb, sc.min_workers)
+    cache_train = fits_cache(cfg.data, splits["train"], sc.min_workers)
     if cache_train:
         print("[elastic] the train split fits data.cache_mb: read once, then from memory")
     workers: int | tuple[int, int] = (

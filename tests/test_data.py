@@ -133,3 +133,24 @@ def test_file_order_is_fixed_by_seed_and_epoch_and_new_every_epoch(small_data, r
 def _file_order(epoch: list[list[int]]) -> list[list[int]]:
     """Each worker's shards in the order it met them (the small shards hold 200 ids each)."""
     return [list(dict.fromkeys(i // 200 for i in ids)) for ids in epoch]
+
+
+def test_the_cache_decision_counts_decoded_bytes(tmp_path):
+    """Packed contact maps are ~30x larger decoded than in Parquet: the train split is
+    cached in the workers only when its decoded size fits data.cache_mb per worker."""
+    from elastic.compose import compose
+    from elastic.config import to_typed
+    from elastic.data import check_dataset, decoded_bytes, fits_cache
+    from elastic.protein import synthetic
+
+    synthetic(tmp_path / "p", frames=400, shards=2)
+    cfg, _ = compose(["+experiment=protein_cvae", f"data.path={tmp_path}/p", "data.val_path=null"])
+    data = to_typed(cfg).data
+    split = check_dataset(data)["train"]
+    decoded = decoded_bytes(data, split)
+    width = 214 * 213 // 2  # the upper triangle, one float32 each
+    assert decoded >= 400 * width * 4 > 20 * split.bytes
+    data.cache_mb = decoded / 2**20 / 2 * 0.9  # a tenth short of half each at 2 workers
+    assert not fits_cache(data, split, 2)
+    data.cache_mb = decoded / 2**20 / 2 * 1.1
+    assert fits_cache(data, split, 2)
