@@ -208,6 +208,7 @@ class _Trainer:
         self.device = engine.device
         self.dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
         self.times: dict[str, float] = defaultdict(float)
+        self._sync_s = 0.0  # seconds in the per-step row-count all-reduce, ever
         # phase seconds of the current log interval (self.times is folded at checkpoints)
         self._interval_times: dict[str, float] = defaultdict(float)
         self.session_start = self.train_start = self.train_end = time.perf_counter()
@@ -235,9 +236,13 @@ class _Trainer:
             epoch_finished = True
             batches = iter(stream)
             while True:
-                t0 = time.perf_counter()
+                t0, synced = time.perf_counter(), self._sync_s
                 batch = next(batches, None)
-                self._add_time("data_wait", t0)
+                # the step's lock-step row-count all-reduce waits for the slowest rank:
+                # communication (with backward, as the gradient all-reduce), not data
+                sync = self._sync_s - synced
+                self._add_seconds("data_wait", time.perf_counter() - t0 - sync)
+                self._add_seconds("backward", sync)
                 if batch is None:
                     break
                 self._train_step(batch)
@@ -292,7 +297,9 @@ class _Trainer:
         stop = self._stop_poller.poll() is not None
         drain = self._drain_probe()
         t = torch.tensor([rows, stop, drain], dtype=torch.int64, device=self._collective_device)
+        t0 = time.perf_counter()
         dist.all_reduce(t)
+        self._sync_s += time.perf_counter() - t0
         self._stop_requested = self._stop_requested or bool(t[1])
         self._drain_pending = bool(t[2])
         return int(t[0])
@@ -361,7 +368,9 @@ class _Trainer:
         return per_sample_loss(self.task, output, target, self.classes, self.beta)
 
     def _add_time(self, phase: str, since: float) -> None:
-        elapsed = time.perf_counter() - since
+        self._add_seconds(phase, time.perf_counter() - since)
+
+    def _add_seconds(self, phase: str, elapsed: float) -> None:
         self.times[phase] += elapsed
         self._interval_times[phase] += elapsed
 
