@@ -51,7 +51,19 @@ def _hydra_message(e: Exception, overrides: list[str]) -> str:
             )
         return f"bad value for {key}: {msg}; fix the override or the config file"
     if isinstance(e, ConfigCompositionException):
-        return _one_line(text.splitlines()[0]) + " (check the override against the README)"
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if len(lines) > 1 and "ConfigKeyError" in lines[0]:
+            # e.g. an experiment's model keys under another model: name the key
+            where = lines[0].split(":", 1)[0]
+            full = next(
+                (ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), ""
+            )
+            return (
+                f"{where}: {lines[1]}" + (f" ({full})" if full else "") + ": it was written "
+                "for another choice in that config group; choose one that has the key, or an "
+                "experiment written for yours"
+            )
+        return _one_line(lines[0]) + " (check the override against the README)"
     return _one_line(text)
 
 

@@ -155,6 +155,7 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["metrics.target='val/r2=0.5'", "trainer.val_every_steps=5"], "METRIC>=NUMBER"),
         (["metrics.target='val/r2>=0.5'"], "set trainer.val_every_steps"),
         (["metrics.target='val/r2>=0.5'", "data.val_path=null"], "set data.val_path"),
+        (["model=vit"], "Key 'input_dim' not in 'ViTConfig' (model.input_dim)"),
     ]
 
 
