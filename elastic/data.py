@@ -174,6 +174,14 @@ def decode_batch(batch: pa.Table, input_column: str, target_column: str) -> dict
     }
 
 
+def read_columns(cfg: DataConfig, schema: pa.Schema) -> list[str]:
+    """The columns a run reads from shards of ``schema``."""
+    columns = [ID_COLUMN, cfg.input_column, cfg.target_column]
+    if cfg.format == "image" and "path" in schema.names:
+        columns.append("path")  # the source image's name, for a decode error
+    return columns
+
+
 def decoded_bytes(cfg: DataConfig, split: Split) -> int:
     """What ``split`` takes in memory decoded (what a cache holds, several times its
     Parquet size for packed contact maps or compressed images): the decoder's output for
@@ -181,10 +189,7 @@ def decoded_bytes(cfg: DataConfig, split: Split) -> int:
     decode, kwargs = decoder(cfg, split.files[0])
     for f in split.files:
         pf = pq.ParquetFile(f)
-        columns = [ID_COLUMN, cfg.input_column, cfg.target_column]
-        if cfg.format == "image" and "path" in pf.schema_arrow.names:
-            columns.append("path")
-        for batch in pf.iter_batches(batch_size=16, columns=columns):
+        for batch in pf.iter_batches(batch_size=16, columns=read_columns(cfg, pf.schema_arrow)):
             if batch.num_rows:
                 out = decode(pa.Table.from_batches([batch]), **kwargs)
                 per_row = sum(v.nbytes for v in out.values()) / batch.num_rows
@@ -229,9 +234,7 @@ def build_datasets(cfg: DataConfig, splits: dict[str, Split], max_workers: int) 
         # ~0.15 s (measured here). We already list and check the shards ourselves.
         ctx = ray.data.DataContext.get_current()
         use_v2, ctx.use_datasource_v2 = ctx.use_datasource_v2, False
-        columns = [ID_COLUMN, cfg.input_column, cfg.target_column]
-        if cfg.format == "image" and "path" in pq.read_schema(split.files[0]).names:
-            columns.append("path")  # the source image's name, for a decode error
+        columns = read_columns(cfg, pq.read_schema(split.files[0]))
         # train, data.shuffle_files: a file order fixed by (data.seed, Ray Data's
         # execution index), which data_config() sets to the epoch an execution reads
         shuffle = FileShuffleConfig(seed=cfg.seed) if shuffle_files else None

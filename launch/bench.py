@@ -80,6 +80,21 @@ def _smoke_config(extra: list[str]):
     return typed_config(cfg, name)
 
 
+def _train(overrides: list[str], steps: int, workdir: str, label: str) -> tuple[list, dict]:
+    """Train ``steps`` steps through launch/run.py (log every 10, no checkpoints, no
+    W&B) under ``workdir``; the run's metrics.jsonl records and its summary.json."""
+    name = f"{label}-{time.time_ns()}"
+    out = Path(workdir) / name
+    cmd = [
+        sys.executable, str(REPO / "launch/run.py"), *overrides, f"trainer.max_steps={steps}",
+        "trainer.log_every_steps=10", "checkpoint.every_steps=0", "logger=none",
+        "trainer.progress=off", f"run.storage_path={workdir}", f"run.name={name}",
+        f"hydra.run.dir={out}/hydra",
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return read_records(str(out)), json.loads((out / "hydra" / "summary.json").read_text())
+
+
 def _elastic_step_s(overrides: list[str], steps: int, workdir: str) -> dict[str, float]:
     """Step times of one elastic run after warm-up, from its 10-step log intervals.
 
@@ -89,22 +104,9 @@ def _elastic_step_s(overrides: list[str], steps: int, workdir: str) -> dict[str,
     over the first epoch's intervals, while Ray Data reads and decodes the Parquet shards
     on the same two cores. ``with_epoch_starts``: the mean over every step after warm-up
     (intervals holding an epoch start included)."""
-    name = f"bench-{time.time_ns()}"
-    cmd = [
-        sys.executable,
-        str(REPO / "launch/run.py"),
-        "+experiment=smoke",
-        *overrides,
-        f"trainer.max_steps={steps}",
-        "trainer.log_every_steps=10",
-        "checkpoint.every_steps=0",
-        "logger=none",
-        f"run.storage_path={workdir}",
-        f"run.name={name}",
-    ]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    records, _ = _train(["+experiment=smoke", *overrides], steps, workdir, "bench")
     times, epochs = {}, {}
-    for rec in read_records(os.path.join(workdir, name)):
+    for rec in records:
         if "train/loss" in rec:
             times[rec["step"]], epochs[rec["step"]] = rec["time"], rec["train/epoch"]
     logged = sorted(s for s in times if s >= WARMUP_STEPS)
@@ -127,35 +129,27 @@ def _elastic_step_s(overrides: list[str], steps: int, workdir: str) -> dict[str,
     }
 
 
-def _torchrun_step_s(cfg, steps: int) -> float:
+def _torchrun_json(world: int, script: str, args: list[str]) -> dict:
+    """Run a peer script under torchrun with ``world`` ranks on this machine (one thread
+    each, as Ray gives a 1-CPU worker); the JSON line its rank 0 prints last."""
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={cfg.scaling.max_workers}",
-        str(REPO / "launch/peers/ddp_step.py"),
-        "--data",
-        cfg.data.path,
-        "--input-dim",
-        str(cfg.model.input_dim),
-        "--hidden-dims",
-        ",".join(map(str, cfg.model.hidden_dims)),
-        "--output-dim",
-        str(cfg.model.output_dim),
-        "--global-batch",
-        str(cfg.data.global_batch_size),
-        "--lr",
-        str(cfg.optim.lr),
-        "--steps",
-        str(steps),
-        "--warmup",
-        str(WARMUP_STEPS),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as Ray gives each 1-CPU worker
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={world}", str(REPO / "launch/peers" / script), *args,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
-    line = [s for s in out.splitlines() if s.startswith("{")][-1]
-    return float(json.loads(line)["step_s"])
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+
+
+def _torchrun_step_s(cfg, steps: int) -> float:
+    args = [
+        "--data", cfg.data.path, "--input-dim", str(cfg.model.input_dim),
+        "--hidden-dims", ",".join(map(str, cfg.model.hidden_dims)),
+        "--output-dim", str(cfg.model.output_dim),
+        "--global-batch", str(cfg.data.global_batch_size), "--lr", str(cfg.optim.lr),
+        "--steps", str(steps), "--warmup", str(WARMUP_STEPS),
+    ]  # fmt: skip
+    return float(_torchrun_json(cfg.scaling.max_workers, "ddp_step.py", args)["step_s"])
 
 
 def overhead(args: argparse.Namespace) -> dict:
@@ -674,21 +668,11 @@ def _steady_data_wait(experiment: str, data, steps: int, workdir: str) -> dict:
     """Train the dataset's experiment for ``steps`` on the bench data; the data-wait
     share of step time over the log intervals after the first step (the first holds the
     pipeline's start) and over the whole run."""
-    name = f"ingest-wait-{time.time_ns()}"
-    out = Path(workdir) / name
-    cmd = [
-        sys.executable, str(REPO / "launch/run.py"), f"+experiment={experiment}",
-        f"data.path={data.path}", "data.val_path=null", f"trainer.max_steps={steps}",
-        "trainer.log_every_steps=10", "checkpoint.every_steps=0", "logger=none",
-        f"run.storage_path={workdir}", f"run.name={name}", f"hydra.run.dir={out}/hydra",
-    ]  # fmt: skip
+    overrides = [f"+experiment={experiment}", f"data.path={data.path}", "data.val_path=null"]
     if data.format == "image":
-        cmd.append(f"data.image_size={data.image_size}")
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    summary = json.loads((out / "hydra" / "summary.json").read_text())
-    recs = [
-        r for r in map(json.loads, (out / "metrics.jsonl").open()) if "train/data_wait_share" in r
-    ]
+        overrides.append(f"data.image_size={data.image_size}")
+    records, summary = _train(overrides, steps, workdir, "ingest-wait")
+    recs = [r for r in records if "train/data_wait_share" in r]
     waited = total = 0.0
     for a, b in zip(recs[:-1], recs[1:], strict=True):
         if a["step"] >= 1:
@@ -789,15 +773,9 @@ MEMORY_TOLERANCE = 0.10
 
 
 def _zero_memory(stage: int, precision: str, world: int, hidden: int, layers: int) -> dict:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={world}", str(REPO / "launch/peers/zero_memory.py"),
-        "--stage", str(stage), "--precision", precision, "--hidden", str(hidden),
-        "--layers", str(layers),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
-    return json.loads([s for s in out.splitlines() if s.startswith("{")][-1])
+    args = ["--stage", str(stage), "--precision", precision, "--hidden", str(hidden),
+            "--layers", str(layers)]  # fmt: skip
+    return _torchrun_json(world, "zero_memory.py", args)
 
 
 def memory(args: argparse.Namespace) -> dict:
@@ -911,19 +889,11 @@ def gpu(args: argparse.Namespace) -> dict:
     flops, params = flops_per_sample(overrides)
     steps = args.steps if on_gpu else 40
     workdir = tempfile.mkdtemp(prefix="elastic-bench-")
-    run = f"gpu-{time.time_ns()}"
-    cmd = [
-        sys.executable, str(REPO / "launch/run.py"), *overrides, f"trainer.max_steps={steps}",
-        "trainer.log_every_steps=10", "checkpoint.every_steps=0", "logger=none",
-        "trainer.progress=off", f"run.storage_path={workdir}", f"run.name={run}",
-        f"hydra.run.dir={workdir}/hydra",
-    ]  # fmt: skip
     try:
-        subprocess.run(cmd, check=True)
-        records = [r for r in read_records(os.path.join(workdir, run)) if "train/loss" in r]
-        summary = json.loads((Path(workdir) / "hydra" / "summary.json").read_text())
+        records, summary = _train(overrides, steps, workdir, "gpu")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    records = [r for r in records if "train/loss" in r]
     warm = [r for r in records if r["step"] >= min(args.warmup_steps, steps // 2)]
     span_s = warm[-1]["time"] - warm[0]["time"]
     samples_per_s = (warm[-1]["step"] - warm[0]["step"]) * args.batch_per_gpu * gpus / span_s
@@ -1040,12 +1010,16 @@ def _table_rows(results: dict) -> list[tuple[str, str, str, str, str, str]]:
         for (precision, stage), cells in by.items():
             worlds = "/".join(str(c["world"]) for c in cells)
             worst = max(cells, key=lambda c: abs(c["ratio"] - 1))
-            to2 = [f"{c['ratio_to_stage2_formula']:.2f}" for c in cells if c["note"]]
+            to2 = [
+                f"{c['ratio_to_stage2_formula']:.2f}"
+                for c in cells
+                if "ratio_to_stage2_formula" in c
+            ]
             notes = f"gradients partitioned too: {'/'.join(to2)}x the stage-2 formula"
             notes = notes if to2 else ""
             verdict = _verdict(all(c["within_tolerance"] for c in cells))
             outside = [c for c in cells if not c["within_tolerance"]]
-            if outside and all(c["ratio"] < 1 and c["note"] for c in outside):
+            if outside and all(c["ratio"] < 1 and "ratio_to_stage2_formula" in c for c in outside):
                 verdict = "below the formula"  # stage 1: DeepSpeed partitions more
             rows.append((
                 f"model-state bytes/param, ZeRO-{stage} {precision}, N={worlds}",
