@@ -16,11 +16,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+# re-exported: most callers import ConfigError from here
+from elastic.errors import ConfigError as ConfigError
 from elastic.models import MODEL_SCHEMAS
-
-
-class ConfigError(ValueError):
-    """A user-fixable configuration mistake; the message is one line naming key and fix."""
 
 
 @dataclass

@@ -23,37 +23,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from elastic.accounting import bitmap_contains
-from elastic.config import ConfigError, DataConfig
+from elastic.config import DataConfig
+from elastic.errors import ConfigError, run_error
+from elastic.errors import DataError as DataError  # re-exported
 
 ID_COLUMN = "sample_id"
 
 
-class DataError(ValueError):
-    """A dataset row that cannot be used, found while training (an image that does not
-    decode, a contact map of another size): the run stops at once with this one line,
-    since retrying cannot help. The last complete checkpoint is kept."""
-
-
 def data_error(exc: BaseException) -> str | None:
-    """The message of a :class:`DataError` anywhere in ``exc``'s chain (Ray wraps the
-    decode task's exception on its way to the worker), else None."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        # by the time it reaches the worker, the DataError may only survive as text in
-        # the traceback Ray carries (a UserCodeException from the map task)
-        for line in reversed(str(e).strip().splitlines()):
-            _, sep, message = line.partition("DataError: ")
-            if sep:
-                return message.strip()
-        if isinstance(e, DataError):
-            return str(e).strip().splitlines()[-1]
-        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
-    return None
+    """The one-line message of a run-ending error in ``exc``'s chain (see elastic.errors)."""
+    return run_error(exc)
 
 
 def list_shards(path: str, key: str = "data.path") -> list[str]:

@@ -18,13 +18,13 @@ from typing import Any
 from elastic.config import TrainConfig
 from elastic.control import FirstEpoch, start_control
 from elastic.data import (
-    DataError,
     Split,
     build_datasets,
     check_dataset,
     data_config,
     fits_cache,
 )
+from elastic.errors import RunError
 from elastic.metrics import (
     SESSION_END,
     SESSION_START,
@@ -253,9 +253,10 @@ def _run_control(control: Any, trainer: Any, display: Any = None) -> Iterator[No
     signals are read from a wakeup fd (written by the C-level handler the moment one
     arrives) by one thread, which also makes every call to the control actor.
 
-    A worker that hits a bad row (:class:`DataError`) tells the actor; the run is
-    aborted rather than restarted (the row would fail every retry) and fit()'s caller
-    gets the DataError, one line naming the row. Checkpoints already written stay."""
+    A worker that hits an error a retry cannot fix (:class:`RunError`: a bad row, a
+    diverged step, a checkpoint that does not fit) tells the actor; the run is aborted
+    rather than restarted and fit()'s caller gets the RunError, one line naming it.
+    Checkpoints already written stay."""
     import ray
 
     done = threading.Event()
@@ -326,7 +327,7 @@ def _run_control(control: Any, trainer: Any, display: Any = None) -> Iterator[No
         wake_r.close()
         wake_w.close()
     if found:
-        raise DataError(found[0])
+        raise RunError(found[0])
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

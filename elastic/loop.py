@@ -26,11 +26,11 @@ from elastic.data import (
     EpochPrefetcher,
     StepBatch,
     StepStream,
-    data_error,
     shard_blocks,
     shuffled,
 )
 from elastic.engine import build_engine, init_distributed, set_base_lr, warm_imports
+from elastic.errors import run_error
 from elastic.images import shift_augment
 from elastic.models import MetricSums, per_sample_loss
 from elastic.tracking import NullTracker, make_tracker
@@ -118,9 +118,10 @@ def train_loop(config: dict[str, Any]) -> None:
         # a preempted run checkpoints and goes: validation would eat into the grace period
         val = {} if trainer.stop_reason == "preempted" else trainer.validate(val_shard)
     except Exception as e:
-        message = data_error(e)
+        message = run_error(e)
         if message is not None and control is not None:
-            # a bad row fails again on every retry: the driver ends the run instead
+            # a bad row (or a diverged step) fails again on every retry: the driver ends
+            # the run instead
             ray.get(control.fail.remote(message))
         raise
     trainer.finish(val)

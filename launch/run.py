@@ -15,14 +15,14 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from elastic.compose import CONF_DIR, fail, plain, preflight, quote_target, typed_config
-from elastic.config import ConfigError, register_schemas
+from elastic.config import register_schemas
+from elastic.errors import ConfigError, RunError
 
 register_schemas()
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(cfg: DictConfig) -> None:
-    from elastic.data import DataError
     from elastic.driver import train, write_summary
 
     hc = HydraConfig.get()
@@ -37,8 +37,8 @@ def main(cfg: DictConfig) -> None:
         fail(str(e))
     try:
         summary = train(typed, plain(cfg))
-    except DataError as e:
-        fail(f"{e} (data.path={typed.data.path}; the last complete checkpoint is kept)")
+    except RunError as e:
+        fail(f"{e} (the last complete checkpoint is kept)")
     path = write_summary(summary, typed.run.output_dir)
     print(
         f"[elastic] {summary['status']}: {summary.get('steps')} steps, "

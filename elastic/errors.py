@@ -1,0 +1,57 @@
+"""The project's error classes, at the bottom of the import graph (they import nothing).
+
+A :class:`RunError` fails again the same way on a retry (a bad row, a checkpoint that
+does not fit the model, a non-finite loss): the run ends at its first occurrence with
+its one-line message instead of Ray Train restarting the worker group on it. Only
+infrastructure failures (a dead worker or node) count against ``scaling.max_failures``.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A user-fixable configuration mistake; the message is one line naming key and fix."""
+
+
+class RunError(Exception):
+    """An error a retry cannot fix, found while training; one line naming the cause."""
+
+
+class DataError(RunError, ValueError):
+    """A dataset row that cannot be used, found while training (an image that does not
+    decode, a contact map of another size): the run stops at once with this one line,
+    since retrying cannot help. The last complete checkpoint is kept."""
+
+
+class CheckpointError(RunError):
+    """A checkpoint that cannot be resumed from (damaged, or written for another model)."""
+
+
+class DivergedError(RunError):
+    """Training produced a non-finite loss or gradient: the run stops at that step."""
+
+
+# every RunError class, by the name Ray's tracebacks carry it under
+RUN_ERRORS = ("DataError", "CheckpointError", "DivergedError", "RunError")
+
+
+def run_error(exc: BaseException) -> str | None:
+    """The message of a :class:`RunError` anywhere in ``exc``'s chain, else None. Ray wraps
+    a worker's (or a Ray Data task's) exception on its way, and by then the error may only
+    survive as the last line of the traceback text it carries."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, RunError):
+            return str(e).strip().splitlines()[-1]
+        for line in reversed(str(e).strip().splitlines()):
+            for name in RUN_ERRORS:
+                _, sep, message = line.partition(f"{name}: ")
+                if sep:
+                    return message.strip()
+        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+    return None
