@@ -117,8 +117,31 @@ def typed_config(cfg: DictConfig, experiment: str, output_dir: str = "") -> Trai
     cfg.run.experiment = experiment
     cfg.run.output_dir = output_dir
     typed = resolve_paths(to_typed(cfg), os.getcwd())
+    check_storage(typed)
     check_data(typed)
     return typed
+
+
+def check_storage(cfg: TrainConfig) -> None:
+    """run.storage_path must take files: found now, not as a traceback after Ray started.
+    Tried for real in the nearest folder that exists (a probe made and removed at once;
+    nothing is left behind): permission bits do not tell root, a read-only mount or /proc
+    the truth."""
+    import tempfile
+
+    path = cfg.run.storage_path
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(20, "not a directory", existing)
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".elastic-write-test-"))
+    except OSError as e:
+        raise ConfigError(
+            f"run.storage_path={path} is not writable ({existing}: {e.strerror or e}): point "
+            "it at a directory you can write"
+        ) from None
 
 
 def check_data(cfg: TrainConfig) -> None:
@@ -153,6 +176,22 @@ def check_data(cfg: TrainConfig) -> None:
         )
 
 
+def check_generated_path(cfg: TrainConfig, overrides: list[str]) -> None:
+    """Synthetic data is generated where it is missing, but only at the experiment's own
+    path: a mistyped data.path given on the command line would otherwise quietly get a
+    fresh dataset of its own instead of the data the user meant."""
+    if cfg.data.synthetic is None:
+        return
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+    for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
+        if key in given and path and not os.path.exists(path):
+            raise ConfigError(
+                f"{key}={path} does not exist: synthetic data is generated only at the "
+                f"experiment's own path; fix the path, drop the override, or write data there "
+                "first with python datasets/synthetic/prepare.py"
+            )
+
+
 def fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_CONFIG_ERROR)
@@ -183,7 +222,7 @@ def preflight(args: list[str]) -> None:
     for run_overrides in runs:
         try:
             cfg, experiment = compose(run_overrides)
-            typed_config(cfg, experiment)
+            check_generated_path(typed_config(cfg, experiment), run_overrides)
         except ConfigError as e:
             fail(str(e))
         except (HydraException, OmegaConfBaseException) as e:

@@ -246,8 +246,10 @@ def to_typed(cfg: DictConfig) -> TrainConfig:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"config key {missing[0]} has no value: set it, e.g. {missing[0]}=...")
+    _reject_unknown_keys(cfg)
     typed = OmegaConf.to_object(cfg)
     assert isinstance(typed, TrainConfig)
+    _reject_non_finite(typed)
     sc = typed.scaling
     if sc.workers is not None:
         if sc.workers < 1:
@@ -255,6 +257,40 @@ def to_typed(cfg: DictConfig) -> TrainConfig:
         sc.min_workers = sc.max_workers = sc.workers
     validate(typed)
     return typed
+
+
+def _reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
+    """A key that no schema declares. Hydra's ``+key=value`` adds keys even to a typed
+    config, and converting to the dataclasses then drops them without a word: a typo
+    such as ``+strategy.zero_stag=2`` would train with the default."""
+    schema = OmegaConf.get_type(node)
+    if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+        return  # a plain dict (no schema): nothing to compare with
+    names = {f.name for f in dataclasses.fields(schema)}
+    for key in node:
+        full = f"{prefix}{key!s}"
+        if key not in names:
+            raise ConfigError(
+                f"unknown config key {full}: no such key in {schema.__name__} (a typo? a key "
+                "added with '+' must exist); check its spelling against the README's config keys"
+            )
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none():
+            _reject_unknown_keys(child, f"{full}.")
+
+
+def _reject_non_finite(obj: Any, key: str = "") -> None:
+    """nan and inf are never a usable setting (optim.lr=inf trained 200 steps at loss nan
+    and reported "finished"): every float of every schema, in lists too."""
+    import math
+
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            _reject_non_finite(getattr(obj, f.name), f"{key}.{f.name}" if key else f.name)
+        return
+    for v in obj if isinstance(obj, (list, tuple)) else [obj]:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{key}={obj} is not valid: it must be a finite number")
 
 
 def _check_images(d: DataConfig, model: Any) -> None:
@@ -389,6 +425,11 @@ def validate(cfg: TrainConfig) -> None:
     _allowed("optim.schedule", o.schedule, ("constant", "cosine"))
     _positive("optim.lr", o.lr)
     _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
+    _positive("optim.eps", o.eps)
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise ConfigError(
+            f"optim.betas={list(o.betas)} is not valid: use two numbers in [0, 1), e.g. [0.9,0.999]"
+        )
     _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
     _allowed("trainer.progress", t.progress, ("auto", "bar", "plain", "off"))
     _positive("trainer.progress_every_s", t.progress_every_s)
@@ -398,13 +439,44 @@ def validate(cfg: TrainConfig) -> None:
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _allowed("logger.kind", cfg.logger.kind, ("wandb", "none"))
     _allowed("logger.mode", cfg.logger.mode, ("auto", "online", "offline"))
-    if not cfg.run.name or "/" in cfg.run.name:
+    name = cfg.run.name
+    if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0"):
+        # the run's folder is storage_path/name: ".." would write (and clean stale
+        # checkpoints) in the folder that holds every other run
         raise ConfigError(
-            f"run.name={cfg.run.name!r} is not valid: use a non-empty name without '/'"
+            f"run.name={name!r} is not valid: use a plain folder name (no '/', not '.' or '..')"
         )
+    _check_cluster(cfg)
     if type(cfg.model) not in MODEL_SCHEMAS.values():
         raise ConfigError("model is not set: choose one with model=NAME (see conf/model/)")
     cfg.model.validate()
+
+
+# Ray refuses a smaller object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES)
+OBJECT_STORE_MINIMUM_MB = 75
+
+
+def _check_cluster(cfg: TrainConfig) -> None:
+    """What the embedded cluster is given must be able to run the job: Ray would
+    otherwise ask its autoscaler for CPUs no node has, every 35 s, forever."""
+    c, sc = cfg.cluster, cfg.scaling
+    if c.object_store_memory_mb < OBJECT_STORE_MINIMUM_MB:
+        raise ConfigError(
+            f"cluster.object_store_memory_mb={c.object_store_memory_mb} is not valid: Ray "
+            f"needs at least {OBJECT_STORE_MINIMUM_MB}"
+        )
+    if c.num_cpus is None or c.address:
+        return
+    import math
+
+    # the workers, plus one CPU for Ray Data's read and decode tasks
+    needed = math.ceil(sc.min_workers * sc.cpus_per_worker - 1e-9) + 1
+    if c.num_cpus < needed:
+        raise ConfigError(
+            f"cluster.num_cpus={c.num_cpus} cannot run scaling.min_workers={sc.min_workers} "
+            f"x scaling.cpus_per_worker={sc.cpus_per_worker} plus one CPU for reading data: "
+            f"set cluster.num_cpus >= {needed} (or null: all of this machine's)"
+        )
 
 
 def _check_target(cfg: TrainConfig) -> None:

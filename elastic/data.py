@@ -53,6 +53,31 @@ def list_shards(path: str, key: str = "data.path") -> list[str]:
     return files
 
 
+def locate_samples(path: str, ids: np.ndarray) -> dict[int, str]:
+    """The shard file (name) that holds each of ``ids``: the Parquet footers' sample_id
+    statistics narrow it to row groups, which are then read. For error messages only
+    (a row that broke training): one directory's footers, never on the hot path."""
+    wanted = {int(i) for i in ids}
+    found: dict[int, str] = {}
+    for file in list_shards(path):
+        meta = pq.ParquetFile(file).metadata
+        col = meta.schema.to_arrow_schema().get_field_index(ID_COLUMN)
+        for g in range(meta.num_row_groups):
+            stats = meta.row_group(g).column(col).statistics if col >= 0 else None
+            if (
+                stats is not None
+                and stats.has_min_max
+                and not any(stats.min <= i <= stats.max for i in wanted)
+            ):
+                continue
+            ids_here = pq.ParquetFile(file).read_row_group(g, columns=[ID_COLUMN])[ID_COLUMN]
+            for i in set(ids_here.to_pylist()) & wanted:
+                found[i] = os.path.basename(file)
+        if len(found) == len(wanted):
+            break
+    return found
+
+
 def in_val(key: str, val_fraction: float, seed: int) -> bool:
     """Stable split: whether ``key`` (a file's path, a sample group) is held out depends
     only on the key and the seed, never on what else the dataset holds."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import signal
@@ -24,7 +23,7 @@ from elastic.data import (
     data_config,
     fits_cache,
 )
-from elastic.errors import RunError
+from elastic.errors import ConfigError, RunError
 from elastic.metrics import (
     SESSION_END,
     SESSION_START,
@@ -36,6 +35,7 @@ from elastic.metrics import (
     time_to_target,
 )
 from elastic.progress import DriverProgress, total_steps
+from elastic.tracking import json_text
 
 
 def prepare_data(cfg: TrainConfig) -> dict[str, Split]:
@@ -161,6 +161,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     os.environ.update(sc.ray_env())
     with cluster.connect(cfg.cluster, sc) as where:
         print(f"[elastic] connected to {where}", flush=True)
+        check_resources(sc, ray.nodes())
         ray.data.DataContext.get_current().enable_progress_bars = False
         control = start_control()
         # a streamed train split reads its files in the order of the epoch it is in
@@ -238,6 +239,23 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     }
     summary.setdefault("wandb_dir", None)
     return summary
+
+
+def check_resources(sc: Any, nodes: list[dict[str, Any]]) -> None:
+    """A worker that fits on no node would make Ray ask its autoscaler for it every 35 s,
+    forever: say so at once, with what the nodes offer (``nodes``: ``ray.nodes()``)."""
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
+    need = {"CPU": sc.cpus_per_worker, **({"GPU": 1.0} if sc.use_gpu else {})}
+    for resource, amount in need.items():
+        best = max((r.get(resource, 0.0) for r in alive), default=0.0)
+        if best < amount:
+            key = "scaling.cpus_per_worker" if resource == "CPU" else "scaling.use_gpu"
+            fix = f"lower {key}" if resource == "CPU" else "set scaling.use_gpu=false"
+            offer = ", ".join(f"{r.get(resource, 0.0):g}" for r in alive) or "none"
+            raise ConfigError(
+                f"{key}: a worker needs {amount:g} {resource} on one node, but the cluster's "
+                f"nodes offer {offer} {resource}: {fix}, or add nodes that have it"
+            )
 
 
 @contextmanager
@@ -354,6 +372,6 @@ def write_summary(summary: dict[str, Any], output_dir: str) -> str:
     path = os.path.join(output_dir, "summary.json")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(summary, f, indent=2)
+        f.write(json_text(summary, indent=2))
     os.replace(tmp, path)
     return path

@@ -26,11 +26,12 @@ from elastic.data import (
     EpochPrefetcher,
     StepBatch,
     StepStream,
+    locate_samples,
     shard_blocks,
     shuffled,
 )
 from elastic.engine import build_engine, init_distributed, set_base_lr, warm_imports
-from elastic.errors import run_error
+from elastic.errors import DivergedError, run_error
 from elastic.images import shift_augment
 from elastic.models import MetricSums, per_sample_loss
 from elastic.tracking import NullTracker, make_tracker
@@ -129,6 +130,15 @@ def train_loop(config: dict[str, Any]) -> None:
     dist.barrier()
 
 
+def _parameters_finite(engine: Any) -> bool:
+    """This rank's parameters (ZeRO-3: its partition, ``ds_tensor``) hold no inf/nan."""
+    for p in engine.module.parameters():
+        t = getattr(p, "ds_tensor", p)
+        if t.numel() and not torch.isfinite(t).all():
+            return False
+    return True
+
+
 def _seed_everything(seed: int) -> None:
     # the same seed on every rank: every rank must build the same initial model
     random.seed(seed)
@@ -217,6 +227,9 @@ class _Trainer:
         self.steady_samples = 0
         # loss over the current log interval: [sum of per-sample losses, rows]
         self._interval = torch.zeros(2, dtype=torch.float64)
+        # what went non-finite on this rank in the last step (None: nothing), made common
+        # to all ranks by the next per-step all-reduce or a checkpoint's check
+        self._diverged: dict[str, Any] | None = None
         self._interval_start = time.perf_counter()
 
     # -- stopping rules ---------------------------------------------------------------
@@ -261,6 +274,7 @@ class _Trainer:
                     break
             if epoch_finished:
                 self._close_epoch()
+        self._stop_if_diverged()  # before the final validation and checkpoint
         prefetcher.close()
         self.train_end = time.perf_counter()
         self._fold_times()
@@ -297,10 +311,15 @@ class _Trainer:
         rank has seen a stop request or a node drain."""
         stop = self._stop_poller.poll() is not None
         drain = self._drain_probe()
-        t = torch.tensor([rows, stop, drain], dtype=torch.int64, device=self._collective_device)
+        bad = self._diverged is not None
+        t = torch.tensor(
+            [rows, stop, drain, bad], dtype=torch.int64, device=self._collective_device
+        )
         t0 = time.perf_counter()
         dist.all_reduce(t)
         self._sync_s += time.perf_counter() - t0
+        if t[3]:
+            self._raise_diverged()
         self._stop_requested = self._stop_requested or bool(t[1])
         self._drain_pending = bool(t[2])
         return int(t[0])
@@ -341,9 +360,12 @@ class _Trainer:
         # the accumulation steps and averages over workers, which this factor undoes.
         weight = plan.world_size * plan.grad_accum_steps / batch.global_rows
         loss_sum = torch.zeros((), dtype=torch.float64)
-        for xs, ys in zip(
+        skipped = getattr(engine, "skipped_steps", 0)
+        ids = np.array_split(batch.sample_id, plan.grad_accum_steps)
+        for xs, ys, ids_micro in zip(
             torch.tensor_split(x, plan.grad_accum_steps),
             torch.tensor_split(y, plan.grad_accum_steps),
+            ids,
             strict=True,
         ):
             t0 = time.perf_counter()
@@ -356,7 +378,14 @@ class _Trainer:
             t0 = time.perf_counter()
             engine.step()
             self._add_time("optimizer", t0)
-            loss_sum += losses.detach().double().sum().cpu()
+            micro_sum = losses.detach().double().sum().cpu()
+            if not torch.isfinite(micro_sum):
+                self._note_diverged(ids_micro[~torch.isfinite(losses.detach().cpu()).numpy()])
+            loss_sum += micro_sum
+        if getattr(engine, "skipped_steps", 0) != skipped:
+            # ZeRO 1/2 found inf/nan gradients and skipped the update: the step's rows
+            # would count as trained without having changed the model
+            self._note_diverged(np.zeros(0, np.int64), skipped_update=True)
         self.state.ledger.record(batch.sample_id)
         self.state.step += 1
         self.state.samples_seen += batch.global_rows
@@ -453,6 +482,7 @@ class _Trainer:
 
     def _save(self, metrics: dict[str, Any]) -> None:
         t0 = time.perf_counter()
+        self._stop_if_diverged()  # a non-finite model never displaces a good checkpoint
         self._sync_ledger()
         self._fold_times()
         ckpt.save(self.engine, self.state, self.rank, metrics)
@@ -466,6 +496,54 @@ class _Trainer:
         self.state.train_wall_s += now - self.session_start
         self.session_start = now
         self.times.clear()
+
+    # -- divergence ---------------------------------------------------------------------
+    def _note_diverged(self, sample_ids: np.ndarray, skipped_update: bool = False) -> None:
+        if self._diverged is None:
+            self._diverged = {"step": self.state.step + 1, "ids": [], "skipped": False}
+        self._diverged["ids"] += [int(i) for i in sample_ids[:5]]
+        self._diverged["skipped"] |= skipped_update
+
+    def _stop_if_diverged(self) -> None:
+        """Before anything is kept (a checkpoint, the final validation): whether any rank
+        saw a non-finite loss, or holds non-finite parameters (a finite loss can still
+        leave inf/nan weights after an update), made common to all ranks."""
+        if self._diverged is None and not _parameters_finite(self.engine):
+            self._diverged = {"step": self.state.step, "ids": [], "params": True}
+        flag = torch.tensor([self._diverged is not None], device=self._collective_device)
+        dist.all_reduce(flag)
+        if flag.item():
+            self._raise_diverged()
+
+    def _raise_diverged(self) -> None:
+        """Every rank stops here, at the same step (this runs after a collective all of
+        them took part in), with one message built from every rank's findings."""
+        found: list[Any] = [None] * self.world
+        dist.all_gather_object(found, self._diverged)
+        seen = [f for f in found if f is not None]
+        step = min(f["step"] for f in seen)
+        ids = sorted({i for f in seen for i in f["ids"]})[:5]
+        o = self.cfg.optim
+        if ids:
+            files = locate_samples(self.cfg.data.path, np.array(ids))
+            where = ", ".join(f"{i} ({files.get(i, '?')})" for i in ids)
+            cause = (
+                f"the loss is not finite for sample_id {where} in {self.cfg.data.path}: check "
+                "those rows for nan/inf, or lower optim.lr"
+            )
+        elif any(f.get("skipped") for f in seen):
+            cause = (
+                "the gradients are not finite and DeepSpeed skipped the update: lower "
+                f"optim.lr (now {o.lr:g}) or set strategy.gradient_clipping"
+            )
+        else:
+            cause = (
+                "the model's parameters are no longer finite: lower optim.lr (now "
+                f"{o.lr:g}) or set strategy.gradient_clipping"
+            )
+        raise DivergedError(
+            f"training diverged at step {step}: {cause}; nothing from this step on was checkpointed"
+        )
 
     # -- validation and the end ---------------------------------------------------------
     def validate(self, shard: Any) -> dict[str, float]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic.config import ConfigError
-from elastic.tracking import HISTORY_FILE
+from elastic.tracking import HISTORY_FILE, json_text
 
 SESSION_START, SESSION_END = "session_start", "session_end"
 
@@ -71,7 +71,7 @@ def append_record(run_dir: str, record: dict[str, Any]) -> None:
     the driver writes only before its workers start and after they end)."""
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, HISTORY_FILE), "a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json_text(record) + "\n")
 
 
 def sessions(records: Iterable[dict[str, Any]]) -> list[tuple[float, float]]:

@@ -7,6 +7,7 @@ methods, so the loop never asks ``if rank == 0`` to log.
 from __future__ import annotations
 
 import json
+import math
 import netrc
 import os
 import time
@@ -16,6 +17,23 @@ from elastic.config import LoggerConfig
 
 STEP_KEY = "trainer/step"
 HISTORY_FILE = "metrics.jsonl"
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with every nan/inf float as None: JSON has no such numbers, and a bare
+    ``NaN`` makes the whole file unreadable to strict parsers (jq, JavaScript, W&B)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def json_text(obj: Any, indent: int | None = None) -> str:
+    """Strict JSON (non-finite floats as null; never a bare NaN)."""
+    return json.dumps(finite(obj), indent=indent, allow_nan=False)
 # seconds between W&B's flushes of the run's transaction log (see Tracker)
 FLUSH_S = 1.0
 # events worth a W&B alert: the job lost or regained workers, was stopped, or its batch
@@ -139,7 +157,7 @@ class Tracker(NullTracker):
         print(f"[elastic] {kind} at step {step}: {detail}", flush=True)
 
     def _write(self, record: dict[str, Any]) -> None:
-        self._history.write(json.dumps(record) + "\n")
+        self._history.write(json_text(record) + "\n")
         self._history.flush()
 
     def finish(self) -> None:

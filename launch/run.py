@@ -37,6 +37,8 @@ def main(cfg: DictConfig) -> None:
         fail(str(e))
     try:
         summary = train(typed, plain(cfg))
+    except ConfigError as e:  # found once Ray is up: what the cluster's nodes offer
+        fail(str(e))
     except RunError as e:
         fail(f"{e} (the last complete checkpoint is kept)")
     path = write_summary(summary, typed.run.output_dir)

@@ -156,6 +156,24 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["metrics.target='val/r2>=0.5'"], "set trainer.val_every_steps"),
         (["metrics.target='val/r2>=0.5'", "data.val_path=null"], "set data.val_path"),
         (["model=vit"], "Key 'input_dim' not in 'ViTConfig' (model.input_dim)"),
+        # non-finite and out-of-range optimizer values (optim.lr=inf trained at loss nan)
+        (["optim.lr=nan"], "optim.lr=nan is not valid: it must be a finite number"),
+        (["optim.lr=inf"], "optim.lr=inf"),
+        (["optim.betas=[2.0,3.0]"], "optim.betas=[2.0, 3.0] is not valid"),
+        (["optim.eps=0"], "optim.eps=0.0"),
+        (["optim.weight_decay=-1"], "optim.weight_decay=-1.0"),
+        (["strategy.gradient_clipping=nan"], "strategy.gradient_clipping=nan"),
+        # a typo added with '+' was dropped without a word
+        (["+strategy.zero_stag=2"], "unknown config key strategy.zero_stag"),
+        (["+model.hiden_dims=[8]"], "unknown config key model.hiden_dims"),
+        # a run folder outside run.storage_path (stale-checkpoint clean-up runs there)
+        (["run.name=.."], "run.name='..' is not valid"),
+        (["cluster.num_cpus=0"], "cluster.num_cpus=0 cannot run"),
+        (["cluster.object_store_memory_mb=1"], "cluster.object_store_memory_mb=1"),
+        (["run.storage_path=/proc/x"], "run.storage_path=/proc/x is not writable"),
+        (["run.storage_path=/dev/null/x"], "run.storage_path=/dev/null/x is not writable"),
+        # a mistyped data path under a synthetic experiment would get data of its own
+        ([f"data.path={tmp_path}/smok/train"], "synthetic data is generated only at"),
     ]
 
 
