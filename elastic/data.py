@@ -12,10 +12,12 @@ from __future__ import annotations
 import hashlib
 import os
 import queue
+import re
 import threading
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -85,15 +87,50 @@ def in_val(key: str, val_fraction: float, seed: int) -> bool:
     return int.from_bytes(h[:8], "little") / 2**64 < val_fraction
 
 
+# the only files a converter writes into a split directory
+SHARD_NAME = re.compile(r"part-\d{5}\.parquet")
+
+
+class OutputError(ValueError):
+    """A converter's output directory that cannot be written (a file, or a directory
+    holding Parquet files the converter did not write)."""
+
+
+def check_split_dir(out: str | os.PathLike) -> str:
+    """``out`` if a converter may write its split there: a directory (or a path to create)
+    holding no ``.parquet`` file besides its own ``part-NNNNN.parquet``. Another Parquet
+    file would be read as part of the dataset, and must not be deleted either."""
+    d = os.fspath(out)
+    existing = next(a for a in (Path(d), *Path(d).parents) if a.exists())
+    if not existing.is_dir():
+        raise OutputError(f"{existing} is a file, not a directory: give an output directory")
+    if existing == Path(d):
+        foreign = sorted(
+            f
+            for f in os.listdir(d)
+            if f.endswith(".parquet") and not f.startswith(".") and not SHARD_NAME.fullmatch(f)
+        )
+        if foreign:
+            raise OutputError(
+                f"{d} holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, "
+                "not written by this converter: write to an empty directory or move them away"
+            )
+    return d
+
+
 def write_split(table: pa.Table, out: str | os.PathLike, shards: int, seed: int) -> None:
     """A converter's split: ``table``'s rows in a seeded random order (inputs often come
     sorted by class or time; unmixed, a step would see one kind of sample) as up to
-    ``shards`` files ``out/part-NNNNN.parquet``, replacing the split's old shards. Each
-    file is written under a temp name and renamed: a half-written shard never looks valid."""
-    d = os.fspath(out)
-    os.makedirs(d, exist_ok=True)
+    ``shards`` files ``out/part-NNNNN.parquet``, replacing the split's old shards (and
+    nothing else: see :func:`check_split_dir`). Each file is written under a temp name and
+    renamed: a half-written shard never looks valid."""
+    d = check_split_dir(out)
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot create {d} ({e.strerror}): give a writable directory") from None
     for old in os.listdir(d):
-        if old.endswith(".parquet"):
+        if SHARD_NAME.fullmatch(old):
             os.remove(os.path.join(d, old))
     mixed = table.take(np.random.default_rng(seed).permutation(table.num_rows))
     bounds = np.linspace(0, table.num_rows, max(1, min(shards, table.num_rows)) + 1).astype(int)

@@ -11,7 +11,10 @@ Data (``data.format=contacts``). Needs the ``protein`` extra (MDAnalysis).
 
 from __future__ import annotations
 
+import gc
 import json
+import math
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from elastic.data import DataError, write_split
+from elastic.data import DataError, OutputError, check_split_dir, write_split
 
 
 class ProteinError(ValueError):
@@ -57,18 +60,85 @@ def unpack_contacts(packed: np.ndarray, n_bits: int) -> np.ndarray:
     return np.unpackbits(packed, axis=1, count=n_bits).astype(np.float32)
 
 
-def _universe(topology: str, trajectory: str):
+def _load(what: str, *files: str):
+    """A Universe of ``files``, or a one-line ProteinError; ``what`` names the fix."""
     mda = _mda()
-    for f in (topology, trajectory):
+    for f in files:
         if not Path(f).is_file():
-            raise ProteinError(f"{f} does not exist: give an existing topology and trajectory")
+            raise ProteinError(f"{f} does not exist: give an existing {what}")
+    if len(files) > 1 and Path(files[-1]).stat().st_size == 0:
+        raise ProteinError(f"{files[-1]} has no frames: give a trajectory with frames")
+    # a reader that fails half-built complains from its __del__ when collected ("Exception
+    # ignored in ..."): collect it while unraisable exceptions are muted
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda _: None
     try:
-        return mda.Universe(topology, trajectory)
-    except Exception as e:
+        try:
+            return mda.Universe(*files)
+        except Exception as e:
+            problem = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    if len(files) > 1 and any(s in problem for s in ("No frames", "endoffile", "empty file")):
+        raise ProteinError(f"{files[-1]} has no frames ({problem}): give a trajectory with frames")
+    if len(files) > 1:
         raise ProteinError(
-            f"{trajectory} does not go with {topology} ({str(e).splitlines()[0]}): "
+            f"{files[-1]} does not go with {files[0]} ({problem}): "
             "give a trajectory of the same system as its topology"
+        )
+    raise ProteinError(
+        f"{files[0]} cannot be read ({problem}): give a {what} in a format MDAnalysis reads"
+    )
+
+
+def _select(u, selection: str, what: str, source: str):
+    try:
+        return u.select_atoms(selection)
+    except Exception as e:  # SelectionError, or ValueError for a bad value
+        raise ProteinError(
+            f"{what} {selection!r} is not a valid MDAnalysis selection in {source} "
+            f"({str(e).strip()}): fix the selection"
         ) from None
+
+
+def _make_whole(u, groups: list, source: str) -> None:
+    """Every frame read from ``u`` has the molecules holding ``groups`` whole (a periodic
+    box splits them: the raw C-alpha chain jumps by a box length, and radius of gyration,
+    RMSD and contacts come out wrong). Bonds come from the topology or, where it has none
+    (a .gro, a .pdb), are guessed from the first frame with periodic distances."""
+    if u.dimensions is None:
+        return
+    from MDAnalysis import transformations
+    from MDAnalysis.guesser.default_guesser import DefaultGuesser
+
+    atoms = sum(groups[1:], groups[0]).unique
+    if not _bonded(atoms).all():
+        residues = atoms.residues.atoms
+        try:
+            guesser = DefaultGuesser(None, box=u.dimensions)
+            u.add_bonds(guesser.guess_bonds(residues, residues.positions), guessed=True)
+        except ValueError as e:
+            raise ProteinError(
+                f"{source} has no bonds and a periodic box, and its bonds cannot be guessed "
+                f"({str(e).splitlines()[0]}): give a topology with bonds (the run's .tpr, .psf)"
+            ) from None
+    lone = atoms[~_bonded(atoms)]
+    if len(lone):
+        raise ProteinError(
+            f"{source} has a periodic box but no bonds to atom {lone[0].name} of residue "
+            f"{lone[0].resname}{lone[0].resid}, so its molecule cannot be made whole: "
+            "give a topology with bonds (the run's .tpr, .psf)"
+        )
+    whole = sum(atoms.fragments[1:], atoms.fragments[0])
+    u.trajectory.add_transformations(transformations.unwrap(whole))
+
+
+def _bonded(atoms) -> np.ndarray:
+    """Per atom: whether it has a bond."""
+    if not hasattr(atoms, "bonds"):
+        return np.zeros(len(atoms), bool)
+    return np.isin(atoms.ix, atoms.bonds.to_indices())
 
 
 def convert(
@@ -84,18 +154,22 @@ def convert(
     first_sample_id: int = 0,
 ) -> Converted:
     """Write ``out/part-*.parquet`` for the frames of ``trajectories`` (each read with
-    ``topology``). Molecules split across a periodic box are made whole first (when the
-    topology has bonds). Labels: ``rmsd_<name>`` per reference, ``rg``, ``rg_<name>`` per
-    extra selection."""
-    mda = _mda()
+    ``topology``). Molecules split across a periodic box are made whole first, in the
+    references too. Labels: ``rmsd_<name>`` per reference, ``rg``, ``rg_<name>`` per extra
+    selection."""
+    if not trajectories:
+        raise ProteinError("no trajectories given: give one or more with the topology")
+    _check_settings(out, cutoff, shards, first_sample_id)
+    _mda()
     from MDAnalysis.analysis import rms
 
-    out = Path(out)
     refs = {}
     for name, path in (references or {}).items():
-        if not Path(path).is_file():
-            raise ProteinError(f"reference {name}={path} does not exist")
-        refs[name] = mda.Universe(path).select_atoms(selection).positions.copy()
+        r = _load(f"structure for reference {name}", path)
+        ref_atoms = _select(r, selection, "selection", path)
+        if len(ref_atoms):
+            _make_whole(r, [ref_atoms], f"reference {name}={path}")
+        refs[name] = ref_atoms.positions.copy()
     columns: dict[str, list] = {
         k: [] for k in ("sample_id", "trajectory", "frame", "contacts", "rg")
     }
@@ -108,8 +182,8 @@ def convert(
     residues = None
     sid = first_sample_id
     for t, traj in enumerate(trajectories):
-        u = _universe(topology, traj)
-        atoms = u.select_atoms(selection)
+        u = _load("topology and trajectory", topology, traj)
+        atoms = _select(u, selection, "selection", topology)
         if len(atoms) < 2:
             raise ProteinError(f"selection {selection!r} picks {len(atoms)} atoms in {topology}")
         if residues is None:
@@ -126,15 +200,15 @@ def convert(
                     f"{topology} {residues}: give a reference of the same protein"
                 )
         if len(u.trajectory) == 0:
-            raise ProteinError(f"{traj} has no frames")
-        if u.dimensions is not None and hasattr(u.atoms, "bonds") and len(u.atoms.bonds):
-            # molecules split across the periodic box are made whole (only the molecules
-            # holding the selected atoms: not the solvent)
-            from MDAnalysis import transformations
-
-            whole = sum(atoms.fragments[1:], atoms.fragments[0])
-            u.trajectory.add_transformations(transformations.unwrap(whole))
-        extras = {n: u.select_atoms(s) for n, s in (extra_selections or {}).items()}
+            raise ProteinError(f"{traj} has no frames: give a trajectory with frames")
+        extras = {}
+        for name, sel in (extra_selections or {}).items():
+            extras[name] = _select(u, sel, f"rg selection {name}", topology)
+            if not len(extras[name]):
+                raise ProteinError(
+                    f"rg selection {name}={sel!r} picks no atoms in {topology}: fix the selection"
+                )
+        _make_whole(u, [atoms, *extras.values()], topology)
         for ts in u.trajectory:
             pos = atoms.positions
             bits, dist = contact_bits(pos, cutoff)
@@ -152,7 +226,8 @@ def convert(
             sid += 1
     assert residues is not None
     sources = {"topology": topology, "trajectories": trajectories}
-    _write(out, columns, _metadata(residues, cutoff, selection, sources, references or {}), shards)
+    meta = _metadata(residues, cutoff, selection, sources, references or {})
+    _write(Path(out), columns, meta, shards)
     return Converted(len(columns["sample_id"]), residues, len(trajectories))
 
 
@@ -168,12 +243,30 @@ def _metadata(residues: int, cutoff: float, selection: str, sources: dict, refs:
     }
 
 
+def _check_settings(out: str | Path, cutoff: float, shards: int, first_sample_id: int) -> None:
+    """Refuse settings that would write a useless dataset, before any work is done."""
+    if not 0 < cutoff < math.inf:
+        # nan, 0 or below: no pair is in contact; inf: every pair is
+        raise ProteinError(f"cutoff {cutoff} is not valid: give a contact distance > 0 (angstrom)")
+    if shards < 1:
+        raise ProteinError(f"shards {shards} is not valid: give 1 or more")
+    if first_sample_id < 0:
+        raise ProteinError(f"first sample id {first_sample_id} is not valid: give 0 or more")
+    try:
+        check_split_dir(out)
+    except OutputError as e:
+        raise ProteinError(str(e)) from None
+
+
 def _write(out: Path, columns: dict[str, list], meta: dict, shards: int) -> None:
     types = {"sample_id": pa.int64(), "trajectory": pa.int32(), "frame": pa.int32()}
     types.update(contacts=pa.binary(), distances=pa.binary())
     table = pa.table({k: pa.array(v, types.get(k, pa.float32())) for k, v in columns.items()})
-    # frames come in time order: write_split mixes them (seeded)
-    write_split(table.replace_schema_metadata(meta), out, shards, seed=0)
+    try:
+        # frames come in time order: write_split mixes them (seeded)
+        write_split(table.replace_schema_metadata(meta), out, shards, seed=0)
+    except OutputError as e:
+        raise ProteinError(str(e)) from None
 
 
 def kabsch_rmsd(a: np.ndarray, b: np.ndarray) -> float:
@@ -197,6 +290,11 @@ def synthetic(
     """Contact-map shards of the converter's schema without MDAnalysis, for scale tests:
     a chain of C-alphas (3.8 A apart) morphing between a compact "closed" and an
     extended "open" fold, with thermal noise; labels rmsd_open, rmsd_closed, rg."""
+    _check_settings(out, cutoff, shards, first_sample_id)
+    if frames < 1 or residues < 2:
+        raise ProteinError(
+            f"{frames} frames of {residues} residues: give frames >= 1, residues >= 2"
+        )
     rng = np.random.default_rng(seed)
 
     def chain(stiffness: float) -> np.ndarray:

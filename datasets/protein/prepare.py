@@ -20,12 +20,12 @@ import sys
 from elastic.protein import ProteinError, convert, synthetic
 
 
-def pairs(values: list[str], what: str) -> dict[str, str]:
+def pairs(values: list[str], what: str, example: str) -> dict[str, str]:
     out = {}
     for v in values or []:
         name, sep, value = v.partition("=")
         if not sep or not name or not value:
-            sys.exit(f"error: {what} {v!r} is not NAME=VALUE")
+            raise ProteinError(f"{what} {v!r} is not NAME=VALUE: give e.g. {what} {example}")
         out[name] = value
     return out
 
@@ -74,9 +74,11 @@ def main() -> None:
             return
         if not (a.topology and a.trajectories and a.out):
             p.error("give TOPOLOGY TRAJ [TRAJ ...] --out DIR, or --adk DIR")
+        refs = pairs(a.ref, "--ref", "open=open.pdb")
+        rgs = pairs(a.rg, "--rg", "lid='resid 122-159'")
         done = convert(
-            a.topology, a.trajectories, a.out, pairs(a.ref, "--ref"), a.cutoff, a.selection,
-            a.distances, pairs(a.rg, "--rg"), a.shards, a.first_sample_id,
+            a.topology, a.trajectories, a.out, refs, a.cutoff, a.selection, a.distances, rgs,
+            a.shards, a.first_sample_id,
         )  # fmt: skip
     except ProteinError as e:
         print(f"error: {e}", file=sys.stderr)
