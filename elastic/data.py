@@ -80,6 +80,40 @@ def locate_samples(path: str, ids: np.ndarray) -> dict[int, str]:
     return found
 
 
+def damaged_shard(exc: BaseException, dirs: list[str | None]) -> str | None:
+    """One line naming a shard that cannot be read, when ``exc`` (from reading the data)
+    came from one: decided by reading the shard again here, in full, so a transient I/O
+    error (gone on a re-read) is still retried like any other failure. A page that does
+    not decode fails the same way on every retry: Ray Data retried it, then Ray Train
+    restarted the worker group on it 11 times without naming the file."""
+    chain: list[BaseException] = []
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is not None and all(e is not c for c in chain):
+            chain.append(e)
+            todo += [e.__cause__, e.__context__]
+    text = "\n".join(str(e) for e in chain)
+    if "parquet" not in text.lower() and "arrow" not in text.lower():
+        return None
+    named = re.findall(r"Failed to read fragment (\S+?\.parquet)", text)
+    files = list(dict.fromkeys(named)) or [
+        f for d in dirs if d and os.path.isdir(d) for f in list_shards(d)
+    ]
+    for file in files:
+        try:
+            shard = pq.ParquetFile(file)
+            for g in range(shard.metadata.num_row_groups):
+                shard.read_row_group(g)
+        except Exception as e:  # what pyarrow says is the message
+            why = " ".join(str(e).split())[:200]
+            return (
+                f"shard {file} cannot be read ({why}): write it again (re-run the dataset's "
+                "converter) or move it out of the dataset directory"
+            )
+    return None
+
+
 def in_val(key: str, val_fraction: float, seed: int) -> bool:
     """Stable split: whether ``key`` (a file's path, a sample group) is held out depends
     only on the key and the seed, never on what else the dataset holds."""

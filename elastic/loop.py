@@ -26,6 +26,7 @@ from elastic.data import (
     EpochPrefetcher,
     StepBatch,
     StepStream,
+    damaged_shard,
     locate_samples,
     shard_blocks,
     shuffled,
@@ -119,7 +120,7 @@ def train_loop(config: dict[str, Any]) -> None:
         # a preempted run checkpoints and goes: validation would eat into the grace period
         val = {} if trainer.stop_reason == "preempted" else trainer.validate(val_shard)
     except Exception as e:
-        message = run_error(e)
+        message = run_error(e) or damaged_shard(e, [cfg.data.path, cfg.data.val_path])
         if message is not None and control is not None:
             # a bad row (or a diverged step) fails again on every retry: the driver ends
             # the run instead

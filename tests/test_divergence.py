@@ -108,3 +108,24 @@ def test_summary_is_strict_json_with_non_finite_values(tmp_path):
     text = open(path).read()
     summary = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
     assert summary == {"val": {"loss": None, "r2": None}, "steps": 3}
+
+
+def test_a_shard_with_a_damaged_page_ends_the_run_naming_it(small_data, tmp_path):
+    """Footer intact, one page header overwritten: reading it fails the same way every
+    time, so the run ends at once naming the file (it was retried 11 times, unnamed)."""
+    root = tmp_path / "data"
+    shutil.copytree(small_data, root)
+    shard = sorted(glob.glob(str(root / "train/*.parquet")))[2]
+    column = pq.ParquetFile(shard).metadata.row_group(0).column(1)
+    raw = bytearray(open(shard, "rb").read())
+    raw[column.data_page_offset : column.data_page_offset + 64] = b"\xab" * 64
+    open(shard, "wb").write(bytes(raw))
+    overrides = small_overrides(
+        root, tmp_path, "logger=none", "run.name=damaged", "scaling.max_failures=3"
+    )
+    with pytest.raises(RunError) as err:
+        train(overrides)
+    message = str(err.value)
+    assert f"shard {shard} cannot be read" in message and "\n" not in message, message
+    events = [json.loads(line) for line in open(tmp_path / "damaged" / "metrics.jsonl")]
+    assert not [e for e in events if e.get("event") == "restart"], "it was retried"
