@@ -14,6 +14,7 @@ import argparse
 import sys
 
 from elastic.cbed import MATERIALS, CBEDError, Settings, generate, synthetic
+from elastic.data import OutputError, check_split_dir
 
 
 def main() -> None:
@@ -37,6 +38,9 @@ def main() -> None:
         thickness_step_nm=a.thickness_step_nm,
     )
     try:
+        for split in ("train", "val"):  # before simulating: a file, or foreign shards
+            if a.synthetic or a.out:
+                check_split_dir(f"{a.synthetic or a.out}/{split}")
         if a.synthetic:
             out = a.synthetic
             train, val = synthetic(out, a.rows, settings, a.val_fraction, a.shards, a.seed)
@@ -55,7 +59,7 @@ def main() -> None:
             )
         else:
             p.error("give OUT, or --synthetic OUT")
-    except CBEDError as e:
+    except (CBEDError, OutputError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"wrote {train} train and {val} val patterns to {out}/train and {out}/val")

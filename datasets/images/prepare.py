@@ -14,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from elastic.data import OutputError, check_split_dir
 from elastic.images import ImageError, convert, digits_to_folders, synthetic_folders
 
 
@@ -31,6 +32,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     try:
+        target = a.digits or a.synthetic or a.out
+        for split in ("train", "val"):  # before any work: a file, or foreign shards
+            if target:
+                check_split_dir(Path(target) / split)
         if a.digits:
             src, out = Path(a.digits) / "raw", Path(a.digits)
             n = digits_to_folders(src)
@@ -44,7 +49,7 @@ def main() -> None:
         else:
             p.error("give SRC and OUT, or --digits OUT")
         done = convert(src, out, a.val_fraction, a.shards, a.seed)
-    except ImageError as e:
+    except (ImageError, OutputError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(
