@@ -205,10 +205,7 @@ class JobDir:
         shutil.rmtree(self.path / "nodes", ignore_errors=True)
         (self.path / "nodes").mkdir()
         (self.path / "logs").mkdir(exist_ok=True)
-        # the token: created 0600 (never briefly readable), never printed
-        fd = os.open(self.token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
+        write_token(self.token)
         write_json(self.path / "job.json", asdict(settings))
 
     def head(self) -> dict | None:
@@ -232,6 +229,13 @@ class JobDir:
 
     def log_file(self, name: str) -> Path:
         return self.path / "logs" / f"{name}.log"
+
+
+def write_token(path: Path) -> None:
+    """A fresh Ray token: created 0600 (never briefly readable), never printed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
 
 
 def write_json(path: Path, data: dict) -> None:

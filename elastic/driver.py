@@ -66,10 +66,12 @@ def _interruptible(trainer_cls: type) -> type:
     Ray Train's own SIGINT handler blocks on the controller's abort inside the signal
     handler and the process then exits 1 without a word. Ours asks the controller to
     abort without waiting and raises KeyboardInterrupt: Ray is shut down on the way out
-    (only registered, complete checkpoints exist) and the entry point says so, exit 130."""
+    (only registered, complete checkpoints exist) and the entry point says so, exit 130.
+    A run aborted on a second stop signal raises :class:`~elastic.cluster.Stopped`
+    instead (exit 75: a batch script requeues it)."""
 
     class Trainer(trainer_cls):
-        interrupted = False
+        interrupted: BaseException | None = None  # what fit() raises once aborted
         controller: Any = None
         previous_sigint: Any = None
 
@@ -77,14 +79,14 @@ def _interruptible(trainer_cls: type) -> type:
             Trainer.controller = controller
 
             def handler(signum: int, frame: Any) -> None:
-                Trainer.interrupted = True
+                Trainer.interrupted = KeyboardInterrupt()
                 controller.abort.remote()
                 raise KeyboardInterrupt
 
             Trainer.previous_sigint = signal.signal(signal.SIGINT, handler)
 
         def _create_default_callbacks(self) -> list[Any]:
-            callbacks = super()._create_default_callbacks()
+            callbacks = [*super()._create_default_callbacks(), _drain_watcher()]
             if _has_dashboard():
                 return callbacks
             # Ray Train's PlacementGroupCleaner asks the State API, i.e. the dashboard,
@@ -99,8 +101,8 @@ def _interruptible(trainer_cls: type) -> type:
             try:
                 result = super().fit()
             except Exception:
-                if Trainer.interrupted:
-                    raise KeyboardInterrupt from None
+                if Trainer.interrupted is not None:
+                    raise Trainer.interrupted from None
                 raise
             finally:
                 # The controller actor (~400 MB) would otherwise live as long as this
@@ -112,11 +114,48 @@ def _interruptible(trainer_cls: type) -> type:
                     Trainer.controller = None
                 if Trainer.previous_sigint is not None:
                     signal.signal(signal.SIGINT, Trainer.previous_sigint)
-            if Trainer.interrupted:
-                raise KeyboardInterrupt
+            if Trainer.interrupted is not None:
+                raise Trainer.interrupted
             return result
 
     return Trainer
+
+
+def _drain_watcher() -> Any:
+    """Ray Train's node-drain watcher callback, whose watcher actor has no restarts.
+
+    Ray Train's own makes one watcher actor per worker group with max_restarts=-1 and the
+    workers' actor handles as constructor arguments, which makes Ray Core print an "E"
+    line at every start (ray-project/ray#53727: such arguments may be gone by a restart).
+    A restart would buy nothing here: a watcher dies with its node, which ends the worker
+    group, and the next group gets a new watcher. Ray Train's is turned off (the flag
+    reaches its controller, which adds it) and this one is passed as a callback."""
+    import ray
+    from ray.train.v2._internal.callbacks.preemption_callback import (
+        PreemptionCallback,
+        PreemptionWatcher,
+    )
+    from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
+
+    os.environ[ENABLE_PREEMPTION_WATCHER_ENV_VAR] = "0"
+
+    class NoRestartPreemptionCallback(PreemptionCallback):
+        def after_worker_group_start(self, worker_group: Any) -> None:
+            self._stop_watcher()
+            node_to_ranks: dict[str, list[int]] = {}
+            by_rank = {}
+            for w in worker_group.get_workers():
+                rank = w.distributed_context.world_rank
+                node_to_ranks.setdefault(w.metadata.node_id, []).append(rank)
+                by_rank[rank] = w.actor
+            watcher = ray.remote(num_cpus=0, max_restarts=0)(PreemptionWatcher)
+            self._watcher = watcher.remote(  # type: ignore[assignment]
+                node_to_ranks=node_to_ranks,
+                poll_interval_s=self._poll_interval_s,
+                worker_actors_by_rank=by_rank,
+            )
+
+    return NoRestartPreemptionCallback()
 
 
 def _has_dashboard() -> bool:
@@ -137,9 +176,9 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     """Run training to the end and return the summary (the entry point writes it out)."""
     import ray.data
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
-    from elastic import cluster
+    from elastic import cluster, rendezvous
     from elastic.loop import train_loop
 
     splits = prepare_data(cfg)
@@ -194,7 +233,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
             ),
             datasets=build_datasets(cfg.data, splits, sc.max_workers),
             dataset_config=data_config(first_epoch),
-            torch_config=TorchConfig(backend="nccl" if sc.use_gpu else "gloo"),
+            torch_config=rendezvous.torch_config(sc.use_gpu),
         )
         t = cfg.trainer
         display = DriverProgress(
@@ -263,8 +302,8 @@ def _run_control(control: Any, trainer: Any, display: Any = None) -> Iterator[No
     """The driver's side of the control actor, for the length of fit().
 
     SIGTERM or SIGUSR1 to the driver (a batch system's warning before the end of an
-    allocation): checkpoint now and stop; the same command resumes. A second one, or a
-    SIGINT, stops at once like Ctrl-C (the last complete checkpoint is kept).
+    allocation): checkpoint now and stop; the same command resumes. A second one stops at
+    once (exit 75), a SIGINT too (exit 130): the last complete checkpoint is kept.
 
     The main thread sits in Ray's blocking ``ray.get`` for all of fit(), where Python
     signal handlers do not run until it returns, i.e. at the end of training. So the
@@ -277,14 +316,16 @@ def _run_control(control: Any, trainer: Any, display: Any = None) -> Iterator[No
     Checkpoints already written stay."""
     import ray
 
+    from elastic.cluster import Stopped
+
     done = threading.Event()
     found: list[str] = []
     wake_r, wake_w = socket.socketpair()
     wake_w.setblocking(False)
 
-    def abort(interrupt: bool) -> None:
-        if interrupt:
-            type(trainer).interrupted = True  # fit() raises KeyboardInterrupt
+    def abort(interrupt: BaseException | None) -> None:
+        if interrupt is not None:
+            type(trainer).interrupted = interrupt  # fit() raises it
         if trainer.controller is not None:
             trainer.controller.abort.remote()
 
@@ -293,8 +334,10 @@ def _run_control(control: Any, trainer: Any, display: Any = None) -> Iterator[No
         while not done.is_set():
             if select.select([wake_r], [], [], POLL_S)[0]:
                 for signum in wake_r.recv(64):
-                    if signum == signal.SIGINT or (signum in STOP_SIGNALS and stopping):
-                        abort(interrupt=True)
+                    if signum == signal.SIGINT:
+                        abort(KeyboardInterrupt())
+                    elif signum in STOP_SIGNALS and stopping:
+                        abort(Stopped(signum))
                     elif signum in STOP_SIGNALS:
                         stopping = True
                         name = signal.Signals(signum).name
@@ -310,7 +353,7 @@ def _run_control(control: Any, trainer: Any, display: Any = None) -> Iterator[No
                 display.update(progress)
             if message:
                 found.append(message)
-                abort(interrupt=False)
+                abort(None)
                 return
 
     previous: dict[int, Any] = {}

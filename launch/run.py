@@ -3,22 +3,32 @@
 Hydra composes conf/; the config is checked before anything starts (exit 2 and one line
 on a mistake); then the driver runs Ray Train workers and writes summary.json into
 Hydra's output directory.
+
+A stop signal (SIGTERM, SIGUSR1: a batch system's warning) at any moment ends the run
+with exit 75 after a checkpoint when training is under way (the same command resumes),
+Ctrl-C with exit 130; either way Ray is shut down and nothing of the run keeps running.
 """
 
 from __future__ import annotations
 
 import sys
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig
+# first, before the slow imports: from here on a stop signal ends the run with exit 75
+from elastic.cluster import PREEMPTED, exit_on_stop, handle_stop_signals
 
-from elastic.compose import CONF_DIR, fail, plain, preflight, quote_target, typed_config
-from elastic.config import register_schemas
-from elastic.errors import ConfigError, RunError
+handle_stop_signals()
 
-register_schemas()
+with exit_on_stop():
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import DictConfig
+
+    from elastic.compose import CONF_DIR, fail, plain, preflight, quote_target, typed_config
+    from elastic.config import register_schemas
+    from elastic.errors import ConfigError, RunError
+
+    register_schemas()
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
@@ -50,18 +60,19 @@ def main(cfg: DictConfig) -> None:
     if summary["status"] == "preempted":
         # EX_TEMPFAIL: checkpointed on a stop signal; the same command resumes
         print("[elastic] preempted: run the same command (same run.name) to resume")
-        sys.exit(75)
+        sys.exit(PREEMPTED)
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = quote_target(sys.argv[1:])
-    preflight(sys.argv[1:])
-    try:
-        main()
-    except KeyboardInterrupt:
-        print(
-            "\n[elastic] interrupted: the last complete checkpoint is kept; re-run with the "
-            "same run.name to resume from it",
-            file=sys.stderr,
-        )
-        sys.exit(130)
+    with exit_on_stop():
+        sys.argv[1:] = quote_target(sys.argv[1:])
+        preflight(sys.argv[1:])
+        try:
+            main()
+        except KeyboardInterrupt:
+            print(
+                "\n[elastic] interrupted: the last complete checkpoint is kept; re-run with the "
+                "same run.name to resume from it",
+                file=sys.stderr,
+            )
+            sys.exit(130)

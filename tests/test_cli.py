@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -11,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+import pytest
 from conftest import small_overrides
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,3 +68,99 @@ def test_ctrl_c_stops_cleanly_and_the_same_command_resumes(small_data, tmp_path)
     if resumes[0] < 12:
         assert summary["status"] == "finished" and summary["steps"] == 12
     assert summary["experiment"] == "smoke"
+
+
+class Session:
+    """A run started with _cli, its output read as it comes, and every process of its
+    process tree seen while it ran (the driver is the subreaper of its Ray cluster)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        import threading
+
+        self.proc = proc
+        self.lines: list[str] = []
+        self.seen: dict[int, psutil.Process] = {}
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def out(self) -> str:
+        return "".join(self.lines)
+
+    def watch(self) -> None:
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process(self.proc.pid).children(recursive=True):
+                self.seen.setdefault(p.pid, p)
+
+    def wait_for(self, what, timeout_s: float = 300) -> None:
+        deadline = time.time() + timeout_s
+        while not what():
+            self.watch()
+            assert self.proc.poll() is None, self.out
+            assert time.time() < deadline, f"timed out; output:\n{self.out}"
+            time.sleep(0.05)
+
+    def finish(self, timeout_s: float = 300) -> int:
+        deadline = time.time() + timeout_s
+        while self.proc.poll() is None:
+            self.watch()
+            assert time.time() < deadline, f"still running; output:\n{self.out}"
+            time.sleep(0.2)
+        time.sleep(0.5)  # the reader thread drains the pipe
+        return self.proc.returncode
+
+    def left_running(self, grace_s: float = 10) -> list[str]:
+        """This run's processes still alive ``grace_s`` after it ended."""
+        deadline = time.time() + grace_s
+        while True:
+            alive = [f"{p.pid} {p.name()}" for p in self.seen.values() if _alive(p)]
+            if not alive or time.time() > deadline:
+                return alive
+            time.sleep(0.5)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for ``signum`` (its entry point installs one)."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt"))
+    return bool(caught >> (signum - 1) & 1)
+
+
+@pytest.mark.parametrize(
+    "signum,moment",
+    [
+        (signal.SIGTERM, "started"),  # composing the config, before the data and Ray
+        (signal.SIGUSR1, "[elastic] dataset:"),  # Ray starting
+        (signal.SIGTERM, "[elastic] connected to"),  # planning the datasets, the trainer
+    ],
+)
+def test_a_stop_signal_during_start_up_exits_75_and_leaves_nothing_running(
+    small_data, tmp_path, signum, moment
+):
+    """A batch script requeues on exit 75: a stop signal at any moment of the start-up
+    must end with it (not 134 with a C++ stack dump, not 138 without a word), with Ray
+    shut down and none of the run's processes left behind."""
+    args = small_overrides(small_data, tmp_path / "runs", "run.name=stopped", "logger=none")
+    run = Session(_cli(args, tmp_path))
+    if moment == "started":
+        run.wait_for(lambda: _catches(run.proc.pid, signum), timeout_s=60)
+    else:
+        run.wait_for(lambda: moment in run.out)
+    run.proc.send_signal(signum)
+    rc = run.finish()
+    name = signal.Signals(signum).name
+    assert rc == 75, run.out
+    assert f"[elastic] {name}: stopped" in run.out
+    assert "Traceback" not in run.out
+    assert run.left_running() == []
+    assert not glob.glob(f"/tmp/elastic-ray-{run.proc.pid}"), "the cluster's files are left"
