@@ -178,11 +178,14 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from elastic import cluster, rendezvous
+    from elastic import checkpoint, cluster, rendezvous
     from elastic.loop import train_loop
 
     splits = prepare_data(cfg)
     out = run_dir(cfg)
+    # the checkpoint to resume from: intact and made for this model, or the run ends here
+    for warning in checkpoint.prepare_resume(out, cfg.model):
+        print(f"[elastic] warning: {warning}", flush=True)
     # the run's time counts while a session runs (time to target; the report's clock)
     append_record(out, {"event": SESSION_START, "time": time.time(), "pid": os.getpid()})
     print(f"[elastic] run {cfg.run.name}: checkpoints and metrics in {out}", flush=True)

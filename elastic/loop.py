@@ -58,8 +58,11 @@ def train_loop(config: dict[str, Any]) -> None:
     started = time.perf_counter()
     warming = warm_imports()
     with contextlib.ExitStack() as stack:
+        stack.push(_end_run_on_run_error(config.get("control")))
         resume_from = ray.train.get_checkpoint()
         path = stack.enter_context(resume_from.as_directory()) if resume_from else None
+        if path is not None:
+            ckpt.check_intact(path)
         state = ckpt.read_state(path) if path else ckpt.TrainerState()
         # Ray Data starts its pipeline now, while DeepSpeed initialises and restores
         if rank == 0 and config.get("first_epoch") is not None:
@@ -145,6 +148,22 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def _end_run_on_run_error(control: Any) -> Any:
+    """An exit callback (``ExitStack.push``): a :class:`RunError` while resuming (a
+    checkpoint that is damaged or not plain data) would fail every retry the same way,
+    so the driver is told to end the run."""
+
+    def on_exit(exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        import ray
+
+        message = run_error(exc) if exc is not None else None
+        if message is not None and control is not None:
+            ray.get(control.fail.remote(message))
+        return False  # the exception goes on
+
+    return on_exit
 
 
 def _note_start(

@@ -1,0 +1,333 @@
+"""Checkpoints that cannot be trusted: damaged files, folders deleted by hand, a model
+that changed, planted pickle payloads, and staging that a killed save leaves behind.
+
+End to end on a real local Ray cluster (2 workers, DeepSpeed ZeRO-1 on gloo) from one
+stopped run copied per test; engine-level checks in a spawned gloo world of 1."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import shutil
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import small_overrides, train
+
+from elastic import checkpoint as ckpt
+from elastic.driver import read_events
+from elastic.errors import RunError
+
+STAGING = ".staging"  # under the run's folder
+COMMON = [
+    "logger=none",
+    "checkpoint.every_steps=2",
+    "checkpoint.keep=3",
+    "strategy.zero_stage=1",
+    "scaling.max_failures=1",  # old code retried a checkpoint error 11 times
+]
+
+
+class _Payload:
+    """What an attacker plants: unpickling it creates the marker file (it could run
+    anything)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _replant(folder: str, rel: str) -> None:
+    """An attacker who rewrites a file can rewrite its manifest entry too: the checksum
+    then matches and only the loader stands in the way."""
+    for path in glob.glob(os.path.join(folder, "manifest-rank*.json")):
+        with open(path) as f:
+            manifest = json.load(f)
+        if rel in manifest["files"]:
+            with open(os.path.join(folder, rel), "rb") as f:
+                data = f.read()
+            manifest["files"][rel] = {
+                "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+            with open(path, "w") as f:
+                json.dump(manifest, f)
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _truncate(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+# -- end to end -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stopped_run(ray_session, small_data, tmp_path_factory):
+    """A run stopped at step 6 with checkpoints at steps 2, 4 and 6 (Ray keeps 3)."""
+    storage = tmp_path_factory.mktemp("stopped")
+    summary = train(
+        small_overrides(small_data, storage, *COMMON, "run.name=base", "trainer.stop_at_step=6")
+    )
+    assert summary["status"] == "stopped" and summary["steps"] == 6
+    return storage / "base"
+
+
+def _copy(stopped_run, tmp_path, name: str) -> str:
+    run_dir = tmp_path / name
+    shutil.copytree(stopped_run, run_dir)
+    return str(run_dir)
+
+
+def _resume(small_data, tmp_path, name: str, *extra: str) -> dict:
+    return train(small_overrides(small_data, tmp_path, *COMMON, f"run.name={name}", *extra))
+
+
+def test_a_damaged_newest_checkpoint_falls_back_and_a_deleted_one_is_dropped(
+    stopped_run, small_data, tmp_path, capsys
+):
+    """The newest checkpoint deleted by hand (how to drop one), the one before truncated:
+    the run warns naming both, resumes from the newest intact one (step 2), moves the
+    damaged one aside, trains past them; and the next start resumes as usual."""
+    run_dir = _copy(stopped_run, tmp_path, "r")
+    shutil.rmtree(os.path.join(run_dir, "step=000000006"))
+    _truncate(os.path.join(run_dir, "step=000000004", "model", "mp_rank_00_model_states.pt"))
+
+    summary = _resume(small_data, tmp_path, "r", "trainer.max_steps=8")
+    assert summary["status"] == "finished" and summary["steps"] == 8
+    assert [e["step"] for e in read_events(run_dir) if e["event"] == "resume"] == [2]
+    out = capsys.readouterr().out
+    assert (
+        f"warning: checkpoint {run_dir}/step=000000004 is damaged "
+        "(model/mp_rank_00_model_states.pt has" in out
+    )
+    assert f"moved to {run_dir}/step=000000004.damaged; resuming from step=000000002" in out
+    assert f"warning: checkpoint {run_dir}/step=000000006 was deleted: dropped" in out
+    assert os.path.isdir(os.path.join(run_dir, "step=000000004.damaged"))
+    # steps 4 and 6 were trained and saved again, into fresh folders
+    assert ckpt.damage(os.path.join(run_dir, "step=000000004")) is None
+    assert ckpt.read_state(os.path.join(run_dir, "step=000000006")).step == 6
+
+    again = _resume(small_data, tmp_path, "r", "trainer.max_steps=10")
+    assert again["status"] == "finished" and again["steps"] == 10
+    assert [e["step"] for e in read_events(run_dir) if e["event"] == "resume"] == [2, 8]
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_no_intact_checkpoint_ends_the_run_in_one_line_changing_nothing(
+    stopped_run, small_data, tmp_path
+):
+    run_dir = _copy(stopped_run, tmp_path, "r")
+    for step in (2, 4, 6):
+        _truncate(os.path.join(run_dir, f"step={step:09d}", "trainer_state.json"))
+    snapshot = os.path.join(run_dir, "checkpoint_manager_snapshot.json")
+    before = sorted(os.listdir(run_dir)), _read(snapshot)
+    with pytest.raises(RunError) as e:
+        _resume(small_data, tmp_path, "r", "trainer.max_steps=8")
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"no intact checkpoint left in {run_dir} (step=000000006: ")
+    assert "trainer_state.json has" in message and "new run.name" in message
+    # only the empty staging folder went
+    assert (sorted([*os.listdir(run_dir), STAGING]), _read(snapshot)) == before
+
+
+def test_a_checkpoint_for_another_model_ends_the_run_at_once(stopped_run, small_data, tmp_path):
+    run_dir = _copy(stopped_run, tmp_path, "r")
+    with pytest.raises(RunError) as e:
+        _resume(small_data, tmp_path, "r", "trainer.max_steps=8", "model.hidden_dims=[128,64]")
+    assert str(e.value) == (
+        f"checkpoint {run_dir}/step=000000006 was written for another model (0.weight: "
+        "64x32 in the checkpoint, 128x32 configured): use the model config it was trained "
+        "with, or a new run.name"
+    )
+    # no worker group started (the stopped run's is the only one)
+    assert len([e for e in read_events(run_dir) if e["event"] == "world_size"]) == 1
+
+
+def test_a_payload_planted_in_a_deepspeed_file_is_refused_before_anything_runs(
+    stopped_run, small_data, tmp_path
+):
+    run_dir = _copy(stopped_run, tmp_path, "r")
+    marker = tmp_path / "payload-ran"
+    rel = "model/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    newest = os.path.join(run_dir, "step=000000006")
+    torch.save({"optimizer_state_dict": _Payload(str(marker))}, os.path.join(newest, rel))
+    _replant(newest, rel)
+    with pytest.raises(RunError) as e:
+        _resume(small_data, tmp_path, "r", "trainer.max_steps=8")
+    assert str(e.value).startswith(
+        f"checkpoint {newest}: {rel} holds Python objects besides tensors (io.open): "
+        "refused to load it"
+    )
+    assert not marker.exists()
+
+
+def test_a_payload_planted_in_the_rng_state_is_refused_by_the_worker(
+    stopped_run, small_data, tmp_path
+):
+    """The RNG state is npz: a payload in it is refused where the worker loads it, the
+    run ends at once (no retries) with the worker's one line; a payload in the old
+    format's rng-rank0.pt is never read."""
+    run_dir = _copy(stopped_run, tmp_path, "r")
+    marker = tmp_path / "payload-ran"
+    newest = os.path.join(run_dir, "step=000000006")
+    torch.save(_Payload(str(marker)), os.path.join(newest, "rng-rank0.pt"))
+    np.savez(os.path.join(newest, "rng-rank0.npz"), torch=np.array([_Payload(str(marker))]))
+    _replant(newest, "rng-rank0.npz")
+    with pytest.raises(RunError) as e:
+        _resume(small_data, tmp_path, "r", "trainer.max_steps=8")
+    assert str(e.value).startswith(
+        f"checkpoint {newest}: rng-rank0.npz is not plain arrays (Object arrays cannot be "
+        "loaded when allow_pickle=False): refused to load it"
+    )
+    assert not marker.exists()
+    # the run ended at its first worker group: no restart
+    assert len([e for e in read_events(run_dir) if e["event"] == "world_size"]) == 1
+
+
+def test_checkpoints_are_staged_under_the_run_and_stale_staging_is_removed(
+    stopped_run, small_data, tmp_path
+):
+    """A save killed halfway (the driver's kill -9) leaves its staging folder under the
+    run, not in /tmp; the next start removes it."""
+    run_dir = _copy(stopped_run, tmp_path, "r")
+    assert os.listdir(os.path.join(run_dir, STAGING)) == []  # cleaned after saves
+    stale = os.path.join(run_dir, STAGING, "ckpt-r0-p99999-killed")
+    os.makedirs(os.path.join(stale, "model"))
+    with open(os.path.join(stale, "model", "mp_rank_00_model_states.pt"), "wb") as f:
+        f.write(b"\0" * 1000)
+    summary = _resume(small_data, tmp_path, "r", "trainer.max_steps=8")
+    assert summary["status"] == "finished"
+    assert os.listdir(os.path.join(run_dir, STAGING)) == []
+
+
+# -- engine level (no Ray) ------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine_worker(rank: int, stage: int, port: int, root: str, out: str) -> None:
+    """Train 2 steps and write a checkpoint; then, per case, restore a copy of it (planted
+    with a payload, or not) into a fresh engine and note what happened."""
+    import random
+    import sys
+
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        DS_ACCELERATOR="cpu",
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from elastic.batch import BatchPlan
+    from elastic.config import DataConfig, StrategyConfig, TrainConfig
+    from elastic.engine import build_engine, init_distributed
+    from elastic.errors import CheckpointError
+    from elastic.models import MLPConfig
+
+    init_distributed(False)
+    cfg = TrainConfig(
+        model=MLPConfig(input_dim=8, hidden_dims=[16], output_dim=3),
+        data=DataConfig(path="unused", global_batch_size=4),
+        strategy=StrategyConfig(zero_stage=stage),
+    )
+    plan = BatchPlan.for_world(4, 1)
+    torch.manual_seed(0)
+    engine = build_engine(cfg, plan, cfg.model.build())
+    for _ in range(2):
+        engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+        engine.step()
+    saved = os.path.join(root, "saved")
+    os.makedirs(saved)
+    ckpt.write(engine, ckpt.TrainerState(step=2, world_sizes=[1]), 0, saved)
+
+    def draw() -> list[float]:
+        return [torch.rand(1).item(), float(np.random.rand()), random.random()]
+
+    expected = draw()
+    cases = ["plain", "deepspeed-model", "rng", "old-rng"]
+    if stage:
+        cases += ["universal", "deepspeed-optim"]
+    results = {}
+    for case in cases:
+        folder = os.path.join(root, case)
+        shutil.copytree(saved, folder)
+        marker = folder + ".payload-ran"
+        if case.startswith("deepspeed"):
+            kind = case.split("-")[1]
+            [target] = glob.glob(os.path.join(folder, "model", f"*{kind}_states.pt"))
+            torch.save({"module": _Payload(marker)}, target)
+        elif case == "rng":
+            np.savez(os.path.join(folder, "rng-rank0.npz"), torch=np.array([_Payload(marker)]))
+        elif case == "old-rng":  # where RNG state was a pickle
+            torch.save(_Payload(marker), os.path.join(folder, "rng-rank0.pt"))
+        universal = case == "universal"
+        fresh = build_engine(cfg, plan, cfg.model.build(), load_universal=universal)
+        result: dict = {}
+        try:
+            ckpt.restore(fresh, folder, 0, universal=universal)
+            result["draws"] = (expected, draw())
+            result["global_steps"] = fresh.global_steps
+        except CheckpointError as e:
+            result["error"] = str(e)
+        except Exception as e:  # what the payload did to the loader
+            result["other"] = repr(e)
+        result["payload_ran"] = os.path.exists(marker)
+        results[case] = result
+    with open(out, "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip teardown: see tests/reshard_worker.py
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_restore_loads_plain_files_and_never_runs_a_planted_payload(stage, tmp_path):
+    """DeepSpeed's files load with weights_only=True (three allow-listed DeepSpeed
+    classes) at every ZeRO stage, through the universal conversion too, and the RNG state
+    comes back (the random numbers after the restore are those after the save). A payload
+    planted in a DeepSpeed file or the RNG state is refused in one line (here without the
+    driver's check in front: planted while the run runs); one in the old format's
+    rng-rank0.pt is never read."""
+    out = str(tmp_path / "results.json")
+    mp.start_processes(
+        _engine_worker,
+        args=(stage, _free_port(), str(tmp_path), out),
+        nprocs=1,
+        join=True,
+        start_method="spawn",
+    )
+    with open(out) as f:
+        results = json.load(f)
+    for case, result in results.items():
+        assert result["payload_ran"] is False, case
+        if case in ("plain", "universal", "old-rng"):
+            assert "draws" in result, (case, result)
+            expected, got = result["draws"]
+            assert got == expected and result["global_steps"] == 2, case
+        else:
+            assert "refused to load it" in result.get("error", ""), (case, result)
+            assert "\n" not in result["error"]
