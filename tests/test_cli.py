@@ -116,7 +116,7 @@ class Session:
         """This run's processes still alive ``grace_s`` after it ended."""
         deadline = time.time() + grace_s
         while True:
-            alive = [f"{p.pid} {p.name()}" for p in self.seen.values() if _alive(p)]
+            alive = [f"{p.pid} {_name(p)}" for p in self.seen.values() if _alive(p)]
             if not alive or time.time() > deadline:
                 return alive
             time.sleep(0.5)
@@ -127,6 +127,13 @@ def _alive(p: psutil.Process) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except psutil.Error:
+        return ""
 
 
 def _catches(pid: int, signum: int) -> bool:
@@ -141,6 +148,8 @@ def _catches(pid: int, signum: int) -> bool:
     [
         (signal.SIGTERM, "started"),  # composing the config, before the data and Ray
         (signal.SIGUSR1, "[elastic] dataset:"),  # Ray starting
+        # inside ray.init(), where Ray's own SIGTERM handler (sys.exit) is in place
+        (signal.SIGTERM, "gcs_server"),
         (signal.SIGTERM, "[elastic] connected to"),  # planning the datasets, the trainer
     ],
 )
@@ -154,6 +163,8 @@ def test_a_stop_signal_during_start_up_exits_75_and_leaves_nothing_running(
     run = Session(_cli(args, tmp_path))
     if moment == "started":
         run.wait_for(lambda: _catches(run.proc.pid, signum), timeout_s=60)
+    elif moment == "gcs_server":
+        run.wait_for(lambda: any(_name(p) == moment for p in list(run.seen.values())))
     else:
         run.wait_for(lambda: moment in run.out)
     run.proc.send_signal(signum)
