@@ -85,6 +85,7 @@ def _signals_deferred() -> Iterator[None]:
     cluster leaves processes behind): the signal is raised when the block is done."""
     global _deferring
     main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if main else None
     _deferring += 1
     try:
         yield
@@ -96,8 +97,8 @@ def _signals_deferred() -> Iterator[None]:
         _pending.append(signal.SIGTERM)
     finally:
         _deferring -= 1
-        if main and signal.getsignal(signal.SIGTERM) is not _on_stop_signal:
-            signal.signal(signal.SIGTERM, _on_stop_signal)  # ray.init() left its own
+        if handler is not None and signal.getsignal(signal.SIGTERM) is not handler:
+            signal.signal(signal.SIGTERM, handler)  # ray.init() left its own
     if _pending and not _deferring:
         raise Stopped(_pending.pop(0))
 
@@ -242,18 +243,21 @@ def _embedded_session() -> Iterator[str]:
     try:
         yield str(path / "ray")
     finally:
-        stop_processes(
-            lambda: [p for p in psutil.Process().children(recursive=True) if p.pid not in others],
-            grace_s=3.0,
-        )
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        _reload_ray_token()
-        shutil.rmtree(path, ignore_errors=True)
-        os.close(lock)
+        with _signals_deferred():
+            stop_processes(
+                lambda: [
+                    p for p in psutil.Process().children(recursive=True) if p.pid not in others
+                ],
+                grace_s=3.0,
+            )
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            _reload_ray_token()
+            shutil.rmtree(path, ignore_errors=True)
+            os.close(lock)
 
 
 def _reload_ray_token() -> None:
