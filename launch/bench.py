@@ -67,14 +67,14 @@ from pathlib import Path
 
 import torch.utils.data
 
-from elastic.metrics import read_records
+from elastic.observe.metrics import read_records
 
 REPO = Path(__file__).resolve().parent.parent
 WARMUP_STEPS = 20
 
 
 def _smoke_config(extra: list[str]):
-    from elastic.compose import compose, typed_config
+    from elastic.config.compose import compose, typed_config
 
     cfg, name = compose(["+experiment=smoke", *extra])
     return typed_config(cfg, name)
@@ -153,7 +153,7 @@ def _torchrun_step_s(cfg, steps: int) -> float:
 
 
 def overhead(args: argparse.Namespace) -> dict:
-    from elastic.driver import prepare_data
+    from elastic.train.driver import prepare_data
 
     overrides = [f"strategy.zero_stage={args.zero_stage}", *args.overrides]
     cfg = _smoke_config(overrides)
@@ -246,7 +246,7 @@ RAY_DEFAULT_KNOBS = [  # Ray Train 2.60's own values of the knobs elastic tunes
 
 
 def _elastic_data(workdir: str, seed: int = 1) -> list[str]:
-    from elastic.synthetic import generate
+    from elastic.datasets.synthetic import generate
 
     root = os.path.join(workdir, "data")
     if not os.path.isdir(root):
@@ -286,7 +286,7 @@ def _wait_checkpoint(run, timeout: float = 300) -> None:
 
 
 def _recovery_round(workdir: str, knobs: list[str], label: str) -> dict:
-    from elastic.localcluster import RayCluster, Run
+    from elastic.cluster.localcluster import RayCluster, Run
 
     overrides = [
         "+experiment=smoke",
@@ -326,7 +326,7 @@ def _recovery_round(workdir: str, knobs: list[str], label: str) -> dict:
 
 def _checkpoint_share(workdir: str) -> dict:
     """Checkpoint share of wall time of the smoke run at the default interval."""
-    from elastic.localcluster import Run
+    from elastic.cluster.localcluster import Run
 
     run = Run(Path(workdir), f"ckpt-{time.time_ns()}", ["+experiment=smoke", "logger=none"])
     if run.finish() != 0:
@@ -443,7 +443,7 @@ def chaos(args: argparse.Namespace) -> dict:
 
 
 def _chaos_run(workdir: str, label: str, overrides: list[str], actions: list[str], rng) -> dict:
-    from elastic.localcluster import RayCluster, Run
+    from elastic.cluster.localcluster import RayCluster, Run
 
     cluster = RayCluster(2)
     run = Run(Path(workdir), label, overrides, cluster.address)
@@ -494,7 +494,7 @@ INGEST_DATASETS = {
 def _ingest_data(root: Path, names: list[str]) -> dict[str, object]:
     """Each dataset at scale from its synthetic generator (same schema as the real one)
     and its DataConfig, written once under ``root``."""
-    from elastic.compose import compose, typed_config
+    from elastic.config.compose import compose, typed_config
 
     made = {}
     for name in names:
@@ -502,20 +502,20 @@ def _ingest_data(root: Path, names: list[str]) -> dict[str, object]:
         d = root / name
         if not (d / "train").is_dir():
             if name == "synthetic":
-                from elastic.synthetic import generate
+                from elastic.datasets.synthetic import generate
 
                 generate(str(d / "train"), None, 65536, 0, 16, 256, 16, seed=0)
             elif name == "images":
-                from elastic.images import convert, synthetic_folders
+                from elastic.datasets.images import convert, synthetic_folders
 
                 synthetic_folders(d / "raw", 20000, 10, 32, seed=0)
                 convert(d / "raw", d, val_fraction=0.0, shards=16)
             elif name == "protein":
-                from elastic.protein import synthetic
+                from elastic.datasets.protein import synthetic
 
                 synthetic(d / "train", 4000, shards=16)
             else:
-                from elastic.cbed import synthetic
+                from elastic.datasets.cbed import synthetic
 
                 synthetic(d, 16000, val_fraction=0.0, shards=16)
         overrides = [f"+experiment={experiment}", f"data.path={d}/train", "data.val_path=null"]
@@ -537,7 +537,7 @@ def _consume(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from elastic.data import EpochPrefetcher, StepStream, shuffled
+    from elastic.data.stream import EpochPrefetcher, StepStream, shuffled
 
     data, epochs, rows_per_step = config["data"], config["epochs"], config["rows_per_step"]
     rank = ray.train.get_context().get_world_rank()
@@ -576,8 +576,9 @@ def _elastic_ingest(data, epochs: int, workdir: str, cache: bool) -> float:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from elastic.cluster import WORKER_ENV
-    from elastic.data import build_datasets, check_dataset, data_config
+    from elastic.cluster.connect import WORKER_ENV
+    from elastic.data.pipeline import build_datasets, data_config
+    from elastic.data.shards import check_dataset
 
     splits = check_dataset(data)
     out = Path(workdir) / f"ingest-{time.time_ns()}.json"
@@ -621,7 +622,7 @@ class _ShardBatches(torch.utils.data.IterableDataset):
     pyarrow and yields decoded batches (the same decode functions as elastic's)."""
 
     def __init__(self, data, batch_rows: int) -> None:
-        from elastic.data import list_shards
+        from elastic.data.shards import list_shards
 
         self.data, self.batch_rows, self.files = data, batch_rows, list_shards(data.path)
 
@@ -629,7 +630,7 @@ class _ShardBatches(torch.utils.data.IterableDataset):
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        from elastic.data import decoder
+        from elastic.data.pipeline import decoder
 
         d = self.data
         info = torch.utils.data.get_worker_info()
@@ -693,7 +694,8 @@ def ingest(args: argparse.Namespace) -> dict:
     report: dict = {"datasets": {}, "target_ratio": 1.0, "target_data_wait": 0.05}
     try:
         for name, data in datasets.items():
-            from elastic.data import check_dataset, fits_cache
+            from elastic.data.pipeline import fits_cache
+            from elastic.data.shards import check_dataset
 
             # as training reads it: cached after the first epoch when the split, decoded,
             # fits data.cache_mb at 2 workers; else streamed every epoch
@@ -846,8 +848,8 @@ def flops_per_sample(overrides: list[str]) -> tuple[float, int]:
     parameter count."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from elastic.compose import compose
-    from elastic.config import to_typed
+    from elastic.config.compose import compose
+    from elastic.config.validate import to_typed
 
     cfg = to_typed(compose(overrides)[0])
     with torch.device("meta"):
@@ -864,7 +866,7 @@ def gpu(args: argparse.Namespace) -> dict:
     per GPU, steady state (log intervals after the warm-up steps)."""
     import torch.cuda
 
-    from elastic.cbed import Settings, synthetic
+    from elastic.datasets.cbed import Settings, synthetic
 
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not args.cpu_check:

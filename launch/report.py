@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from elastic.report import write_report
+from elastic.observe.report import write_report
 
 
 def main() -> None:

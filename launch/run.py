@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 # first, before the slow imports: from here on a stop signal ends the run with exit 75
-from elastic.cluster import PREEMPTED, exit_on_stop, handle_stop_signals
+from elastic.cluster.connect import PREEMPTED, exit_on_stop, handle_stop_signals
 
 handle_stop_signals()
 
@@ -24,16 +24,19 @@ with exit_on_stop():
     from hydra.types import RunMode
     from omegaconf import DictConfig
 
-    from elastic.compose import CONF_DIR, fail, plain, preflight, quote_target, typed_config
-    from elastic.config import register_schemas
+    from elastic.config.compose import CONF_DIR, fail, plain, preflight, quote_target, typed_config
+    from elastic.config.schema import register_schemas
     from elastic.errors import ConfigError, RunError
 
-    register_schemas()
+    try:
+        register_schemas()  # with the plugins' models: a plugin that fails to import is said here
+    except ConfigError as e:
+        fail(str(e))
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(cfg: DictConfig) -> None:
-    from elastic.driver import train, write_summary
+    from elastic.train.driver import train, write_summary
 
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN:

@@ -16,7 +16,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory):
     """1,000 training rows (not a multiple of the batch: the last step is partial)."""
-    from elastic.synthetic import generate
+    from elastic.datasets.synthetic import generate
 
     root = tmp_path_factory.mktemp("data")
     generate(str(root / "train"), str(root / "val"), 1000, 256, 5, 32, 4, seed=0)
@@ -28,7 +28,7 @@ def ray_session():
     """A real embedded Ray cluster shared by the end-to-end tests (start-up is seconds)."""
     import ray
 
-    from elastic.cluster import WORKER_ENV
+    from elastic.cluster.connect import WORKER_ENV
 
     ray.init(
         address="local",
@@ -61,8 +61,8 @@ def small_overrides(data_root, storage, *extra: str) -> list[str]:
 
 def train(overrides: list[str]) -> dict:
     """Compose, validate and train in-process, as ``launch/run.py`` does."""
-    from elastic.compose import compose, plain, typed_config
-    from elastic.driver import train as driver_train
+    from elastic.config.compose import compose, plain, typed_config
+    from elastic.train.driver import train as driver_train
 
     cfg, experiment = compose(overrides)
     typed = typed_config(cfg, experiment)
@@ -75,7 +75,7 @@ def assert_every_epoch_once(summary: dict, train_dir, epochs: int, rows: int) ->
     import numpy as np
     import pyarrow.parquet as pq
 
-    from elastic.checkpoint import read_state
+    from elastic.train.checkpoint import read_state
 
     assert summary["samples_exactly_once"] is True
     assert summary["epochs_closed"] == [

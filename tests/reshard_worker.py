@@ -21,8 +21,8 @@ STEPS_BEFORE_SAVE = 3
 
 
 def _config(stage: int):
-    from elastic.config import DataConfig, StrategyConfig, TrainConfig
-    from elastic.models import MLPConfig
+    from elastic.config.schema import DataConfig, StrategyConfig, TrainConfig
+    from elastic.models.mlp import MLPConfig
 
     return TrainConfig(
         model=MLPConfig(input_dim=8, hidden_dims=[16, 16], output_dim=3),
@@ -85,9 +85,9 @@ def run(
     )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from elastic import checkpoint as ckpt
-    from elastic.batch import BatchPlan
-    from elastic.engine import build_engine, init_distributed
+    from elastic.train import checkpoint as ckpt
+    from elastic.train.batch import BatchPlan
+    from elastic.train.engine import build_engine, init_distributed
 
     init_distributed(False)
     cfg = _config(stage)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from elastic.localcluster import REPO
+from elastic.cluster.localcluster import REPO
 
 BENCH = str(REPO / "launch" / "bench.py")
 sys.path.insert(0, str(REPO / "launch"))

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from elastic import bootstrap
-from elastic.localcluster import REPO
+from elastic.cluster import bootstrap
+from elastic.cluster.localcluster import REPO
 
 SCRIPTS = [
     REPO / "launch" / "slurm" / "train.sbatch",
@@ -60,11 +60,11 @@ def test_lsf_nodes_from_mcpu_hosts_when_there_is_no_hostfile(tmp_path):
 
 def test_lsf_launch_commands_are_whole_node_jsrun_resource_sets():
     """No LSF here: the jsrun command line is checked, not run."""
-    cmd = bootstrap.launcher("lsf", 2, ["python", "-m", "elastic.bootstrap", "node"])
+    cmd = bootstrap.launcher("lsf", 2, ["python", "-m", "elastic.cluster.bootstrap", "node"])
     assert cmd[:1] == ["jsrun"]
     assert "--nrs=2" in cmd and "--rs_per_host=1" in cmd and "--tasks_per_rs=1" in cmd
     assert "--cpu_per_rs=ALL_CPUS" in cmd and "--gpu_per_rs=ALL_GPUS" in cmd
-    assert cmd[-4:] == ["python", "-m", "elastic.bootstrap", "node"]
+    assert cmd[-4:] == ["python", "-m", "elastic.cluster.bootstrap", "node"]
     assert bootstrap.requeue_cmd("lsf", "812345") == ["brequeue", "812345"]
 
 
@@ -80,7 +80,7 @@ def test_slurm_launch_skips_the_head_node_and_survives_node_loss():
 def test_outside_an_allocation_the_error_says_what_to_do(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "LSB_"))}
     out = subprocess.run(
-        [sys.executable, "-m", "elastic.bootstrap", "train", "--", "+experiment=smoke"],
+        [sys.executable, "-m", "elastic.cluster.bootstrap", "train", "--", "+experiment=smoke"],
         env=env, cwd=tmp_path, capture_output=True, text=True,
     )  # fmt: skip
     assert out.returncode == 2
@@ -170,7 +170,7 @@ def test_head_names_the_nodes_that_did_not_join(tmp_path, how):
         (jd.path / "nodes" / "ghost-node.failed").write_text("ray start failed (exit 1)\n")
     env = {**os.environ, "ELASTIC_NODE_IP": "127.0.0.1"}
     out = subprocess.run(
-        [sys.executable, "-m", "elastic.bootstrap", "head", "--job-dir", str(jd.path)],
+        [sys.executable, "-m", "elastic.cluster.bootstrap", "head", "--job-dir", str(jd.path)],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 2, out.stdout + out.stderr

@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import train
 
-from elastic.cbed import MATERIALS, STRUCTURES, THICKNESS_UNIT_NM, Settings, synthetic
-from elastic.localcluster import REPO
-from elastic.models import MetricSums, per_sample_loss
+from elastic.cluster.localcluster import REPO
+from elastic.datasets.cbed import MATERIALS, STRUCTURES, THICKNESS_UNIT_NM, Settings, synthetic
+from elastic.models.losses import MetricSums, per_sample_loss
 
 PREPARE = str(REPO / "datasets" / "cbed" / "prepare.py")
 

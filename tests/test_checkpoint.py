@@ -19,9 +19,9 @@ import torch
 import torch.multiprocessing as mp
 from conftest import small_overrides, train
 
-from elastic import checkpoint as ckpt
-from elastic.driver import read_events
 from elastic.errors import RunError
+from elastic.train import checkpoint as ckpt
+from elastic.train.driver import read_events
 
 STAGING = ".staging"  # under the run's folder
 COMMON = [
@@ -242,11 +242,11 @@ def _engine_worker(rank: int, stage: int, port: int, root: str, out: str) -> Non
     )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1)
-    from elastic.batch import BatchPlan
-    from elastic.config import DataConfig, StrategyConfig, TrainConfig
-    from elastic.engine import build_engine, init_distributed
+    from elastic.config.schema import DataConfig, StrategyConfig, TrainConfig
     from elastic.errors import CheckpointError
-    from elastic.models import MLPConfig
+    from elastic.models.mlp import MLPConfig
+    from elastic.train.batch import BatchPlan
+    from elastic.train.engine import build_engine, init_distributed
 
     init_distributed(False)
     cfg = TrainConfig(

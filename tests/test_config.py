@@ -11,8 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from elastic.compose import CONF_DIR, compose, preflight, quote_target, typed_config
-from elastic.config import ConfigError, TrainConfig
+from elastic.config.compose import CONF_DIR, compose, preflight, quote_target, typed_config
+from elastic.config.schema import TrainConfig
+from elastic.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
@@ -26,7 +27,7 @@ def test_every_experiment_composes_and_validates(experiment, tmp_path):
         pytest.importorskip("PIL", reason="the images extra is not installed")
         from PIL import Image
 
-        from elastic.images import convert
+        from elastic.datasets.images import convert
 
         for label in ("a", "b"):
             (tmp_path / "src" / label).mkdir(parents=True)
@@ -36,12 +37,12 @@ def test_every_experiment_composes_and_validates(experiment, tmp_path):
         convert(tmp_path / "src", tmp_path / "img", val_fraction=0)
         data = [f"data.path={tmp_path}/img/train", "data.val_path=null"]
     if experiment.startswith("protein"):
-        from elastic.protein import synthetic
+        from elastic.datasets.protein import synthetic
 
         synthetic(tmp_path / "protein", frames=8, shards=1)
         data = [f"data.path={tmp_path}/protein", "data.val_path=null"]
     if experiment.startswith("cbed"):
-        from elastic.cbed import Settings, synthetic
+        from elastic.datasets.cbed import Settings, synthetic
 
         synthetic(tmp_path / "cbed", 8, Settings(), val_fraction=0.0, shards=1)
         data = [f"data.path={tmp_path}/cbed/train", "data.val_path=null"]
@@ -51,7 +52,7 @@ def test_every_experiment_composes_and_validates(experiment, tmp_path):
     assert typed.run.experiment == experiment
     assert os.path.isabs(typed.data.path) and os.path.isabs(typed.run.storage_path)
     # the batch plan holds at every world size the experiment allows
-    from elastic.batch import BatchPlan
+    from elastic.train.batch import BatchPlan
 
     for w in range(typed.scaling.min_workers, typed.scaling.max_workers + 1):
         plan = BatchPlan.for_world(typed.data.global_batch_size, w, typed.data.micro_batch_size)
@@ -129,6 +130,15 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
     x64 = pa.FixedSizeListArray.from_arrays(pa.array([0.0] * 128, pa.float64()), 128)
     pq.write_table(pa.table({"sample_id": [1], "x": x64, "y": y}), mixed / "part-1.parquet")
     real = ["data.synthetic=null"]
+    labels, wide = tmp_path / "labels", tmp_path / "wide"
+    labels.mkdir()
+    wide.mkdir()
+    pq.write_table(
+        pa.table({"sample_id": [0, 1], "x": pa.concat_arrays([x, x]), "y": [0, 9]}),
+        labels / "part-0.parquet",
+    )
+    pq.write_table(pa.table({"sample_id": [0], "x": x, "y": y}), wide / "part-0.parquet")
+    flat = ["model.input_dim=128", "data.val_path=null"]
     return [
         (["strategy.zero_stgae=2"], "strategy.zero_stgae"),
         (["strategy.zero_stage=abc"], "strategy.zero_stage"),
@@ -172,6 +182,19 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["cluster.object_store_memory_mb=1"], "cluster.object_store_memory_mb=1"),
         (["run.storage_path=/proc/x"], "run.storage_path=/proc/x is not writable"),
         (["run.storage_path=/dev/null/x"], "run.storage_path=/dev/null/x is not writable"),
+        # the target against the model's task and outputs (failed at the first step)
+        (
+            [
+                *real,
+                *flat,
+                f"data.path={labels}",
+                "model.task=classification",
+                "model.output_dim=5",
+            ],
+            "holds class labels 0..9 but model.output_dim=5",
+        ),
+        ([*real, *flat, f"data.path={labels}"], "model.task=regression but column 'y'"),
+        ([*real, *flat, f"data.path={wide}", "model.output_dim=4"], "holds 16 target value(s)"),
         # a mistyped data path under a synthetic experiment would get data of its own
         ([f"data.path={tmp_path}/smok/train"], "synthetic data is generated only at"),
     ]
@@ -258,7 +281,7 @@ def test_strict_batch_policy_lists_the_world_sizes_that_work(tmp_path, capsys):
 
 
 def test_adjust_batch_policy_accepts_any_world_size(tmp_path):
-    from elastic.batch import BatchPlan
+    from elastic.train.batch import BatchPlan
 
     cfg, name = compose(
         [

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from conftest import train
 
-from elastic.models import CVAEConfig, MetricSums, per_sample_loss
-from elastic.protein import synthetic
+from elastic.datasets.protein import synthetic
+from elastic.models.cvae import CVAEConfig
+from elastic.models.losses import MetricSums, per_sample_loss
 
 
 def test_the_vae_reads_and_writes_upper_triangles_of_symmetric_maps():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from elastic.data import shuffled
+from elastic.data.stream import shuffled
 
 
 def blocks(n_blocks: int = 10, rows: int = 37):
@@ -55,10 +55,10 @@ def test_a_dataset_four_times_the_object_store_streams_through(tmp_path):
     import subprocess
     import sys
 
-    from elastic.config import DataConfig
-    from elastic.data import check_dataset
-    from elastic.localcluster import REPO
-    from elastic.synthetic import generate
+    from elastic.cluster.localcluster import REPO
+    from elastic.config.schema import DataConfig
+    from elastic.data.shards import check_dataset
+    from elastic.datasets.synthetic import generate
 
     generate(str(tmp_path / "big"), None, 50_000, 0, 40, 2048, 4, seed=0)
     size = check_dataset(DataConfig(path=str(tmp_path / "big")))["train"].bytes
@@ -87,8 +87,9 @@ def _epochs_as_read(train_dir, shuffle_files: bool, first_epoch: int, epochs: in
     resume): a list per epoch of each worker's sample ids, in order."""
     import threading
 
-    from elastic.config import DataConfig
-    from elastic.data import build_datasets, check_dataset, data_config
+    from elastic.config.schema import DataConfig
+    from elastic.data.pipeline import build_datasets, data_config
+    from elastic.data.shards import check_dataset
 
     cfg = DataConfig(path=str(train_dir), seed=5, shuffle_files=shuffle_files)
     datasets = build_datasets(cfg, check_dataset(cfg), max_workers=2)
@@ -138,10 +139,11 @@ def _file_order(epoch: list[list[int]]) -> list[list[int]]:
 def test_the_cache_decision_counts_decoded_bytes(tmp_path):
     """Packed contact maps are ~30x larger decoded than in Parquet: the train split is
     cached in the workers only when its decoded size fits data.cache_mb per worker."""
-    from elastic.compose import compose
-    from elastic.config import to_typed
-    from elastic.data import check_dataset, decoded_bytes, fits_cache
-    from elastic.protein import synthetic
+    from elastic.config.compose import compose
+    from elastic.config.validate import to_typed
+    from elastic.data.pipeline import decoded_bytes, fits_cache
+    from elastic.data.shards import check_dataset
+    from elastic.datasets.protein import synthetic
 
     synthetic(tmp_path / "p", frames=400, shards=2)
     cfg, _ = compose(["+experiment=protein_cvae", f"data.path={tmp_path}/p", "data.val_path=null"])

@@ -19,8 +19,7 @@ import pytest
 import torch
 from conftest import small_overrides, train
 
-from elastic.config import ConfigError
-from elastic.errors import RunError
+from elastic.errors import ConfigError, RunError
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -102,7 +101,7 @@ def test_a_worker_no_node_can_hold_fails_at_once(small_data, tmp_path):
 
 
 def test_summary_is_strict_json_with_non_finite_values(tmp_path):
-    from elastic.driver import write_summary
+    from elastic.train.driver import write_summary
 
     path = write_summary({"val": {"loss": math.nan, "r2": -math.inf}, "steps": 3}, tmp_path)
     text = open(path).read()

@@ -10,14 +10,14 @@ import signal
 import pytest
 from conftest import assert_every_epoch_once
 
-from elastic.localcluster import RayCluster, Run, saving_pids
+from elastic.cluster.localcluster import RayCluster, Run, saving_pids
 
 ROWS, BATCH, EPOCHS = 2048, 64, 6
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from elastic.synthetic import generate
+    from elastic.datasets.synthetic import generate
 
     root = tmp_path_factory.mktemp("elastic-data")
     generate(str(root / "train"), str(root / "val"), ROWS, 256, 8, 64, 4, seed=1)
@@ -238,7 +238,7 @@ def test_half_written_checkpoints_past_the_resume_point_are_removed(tmp_path):
     """A group that died while saving step 10 leaves step=000000010 behind; the group that
     resumes from step 5 removes it before it saves step 10 itself (Ray would merge the
     new save into the stale folder's files)."""
-    from elastic.checkpoint import remove_unregistered, step_dir_name
+    from elastic.train.checkpoint import remove_unregistered, step_dir_name
 
     for step in (5, 10, 15):
         (tmp_path / step_dir_name(step)).mkdir()

@@ -18,15 +18,9 @@ pytest.importorskip("PIL", reason="the images extra is not installed: pip instal
 from conftest import train  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from elastic.config import ConfigError  # noqa: E402
-from elastic.images import (  # noqa: E402
-    ImageError,
-    classes_of,
-    convert,
-    decode_images,
-    shift_augment,
-)
-from elastic.localcluster import REPO  # noqa: E402
+from elastic.cluster.localcluster import REPO  # noqa: E402
+from elastic.datasets.images import ImageError, classes_of, convert, decode_images, shift_augment  # noqa: E402
+from elastic.errors import ConfigError  # noqa: E402
 
 PREPARE = str(REPO / "datasets" / "images" / "prepare.py")
 
@@ -138,7 +132,7 @@ def test_shift_augment_is_fixed_by_seed_epoch_and_sample():
 
 
 def test_image_data_needs_an_image_model(small_data, tmp_path):
-    from elastic.compose import compose, typed_config
+    from elastic.config.compose import compose, typed_config
 
     for extra, message in [
         (

@@ -17,16 +17,16 @@ D = pytest.importorskip("MDAnalysisTests.datafiles", reason="the protein extra i
 
 from conftest import train  # noqa: E402
 
-from elastic.compose import compose, typed_config  # noqa: E402
-from elastic.config import ConfigError  # noqa: E402
-from elastic.localcluster import REPO  # noqa: E402
-from elastic.protein import (  # noqa: E402
+from elastic.cluster.localcluster import REPO  # noqa: E402
+from elastic.config.compose import compose, typed_config  # noqa: E402
+from elastic.datasets.protein import (  # noqa: E402
     ProteinError,
     contact_width,
     convert,
     decode_contacts,
     synthetic,
 )
+from elastic.errors import ConfigError  # noqa: E402
 
 PREPARE = str(REPO / "datasets" / "protein" / "prepare.py")
 BITS = 214 * 213 // 2

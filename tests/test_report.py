@@ -10,10 +10,16 @@ import sys
 
 import pytest
 
-from elastic.config import ConfigError
-from elastic.localcluster import REPO
-from elastic.metrics import parse_target, read_records, run_seconds, sessions, time_to_target
-from elastic.progress import DriverProgress
+from elastic.cluster.localcluster import REPO
+from elastic.errors import ConfigError
+from elastic.observe.metrics import (
+    parse_target,
+    read_records,
+    run_seconds,
+    sessions,
+    time_to_target,
+)
+from elastic.observe.progress import DriverProgress
 
 
 def test_target_parses_and_bad_targets_say_how_to_write_one():
@@ -133,7 +139,7 @@ def test_repeats_are_averaged_with_their_spread(tmp_path):
     """Two seeds at each world size (summary files as runs write them): the report's
     rows are the means, the spreads are the sample standard deviations, and a run that
     never reached the target counts in runs but not in reached."""
-    from elastic.report import find_runs, tables
+    from elastic.observe.report import find_runs, tables
 
     runs = {
         "a": (1, 100.0, 50.0),

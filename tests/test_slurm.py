@@ -17,7 +17,7 @@ import pytest
 from conftest import assert_every_epoch_once
 from slurm_cluster import ENDED, SlurmCluster, missing_requirements
 
-from elastic.localcluster import REPO, RunFiles
+from elastic.cluster.localcluster import REPO, RunFiles
 
 pytestmark = pytest.mark.slurm
 
@@ -46,7 +46,7 @@ def slurm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from elastic.synthetic import generate
+    from elastic.datasets.synthetic import generate
 
     root = tmp_path_factory.mktemp("slurm-data")
     generate(str(root / "train"), str(root / "val"), ROWS, 256, 8, 64, 4, seed=2)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import assert_every_epoch_once, small_overrides, train
 
-from elastic.driver import read_events
+from elastic.train.driver import read_events
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -13,8 +13,8 @@ the same schema without abTEM, for scale tests. See README.md.
 import argparse
 import sys
 
-from elastic.cbed import MATERIALS, CBEDError, Settings, generate, synthetic
-from elastic.data import OutputError, check_split_dir
+from elastic.data.shards import OutputError, check_split_dir
+from elastic.datasets.cbed import MATERIALS, CBEDError, Settings, generate, synthetic
 
 
 def main() -> None:

@@ -14,8 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from elastic.data import OutputError, check_split_dir
-from elastic.images import ImageError, convert, digits_to_folders, synthetic_folders
+from elastic.data.shards import OutputError, check_split_dir
+from elastic.datasets.images import ImageError, convert, digits_to_folders, synthetic_folders
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ See README.md.
 import argparse
 import sys
 
-from elastic.protein import ProteinError, convert, synthetic
+from elastic.datasets.protein import ProteinError, convert, synthetic
 
 
 def pairs(values: list[str], what: str, example: str) -> dict[str, str]:

@@ -5,7 +5,7 @@ OUT_DIR/train and OUT_DIR/val receive Parquet shards (sample_id, x, y); see READ
 
 import argparse
 
-from elastic.synthetic import generate
+from elastic.datasets.synthetic import generate
 
 
 def main() -> None:

@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from elastic.data import column_to_numpy, list_shards
-from elastic.models import MLPConfig
+from elastic.data.pipeline import column_to_numpy
+from elastic.data.shards import list_shards
+from elastic.models.mlp import MLPConfig
 
 
 def main() -> None:

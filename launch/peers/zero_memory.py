@@ -26,10 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic.batch import BatchPlan
-from elastic.config import DataConfig, StrategyConfig, TrainConfig
-from elastic.engine import build_engine, init_distributed
-from elastic.models import MLPConfig
+from elastic.config.schema import DataConfig, StrategyConfig, TrainConfig
+from elastic.models.mlp import MLPConfig
+from elastic.train.batch import BatchPlan
+from elastic.train.engine import build_engine, init_distributed
 
 
 def _storages() -> dict[int, int]:

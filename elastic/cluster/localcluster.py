@@ -1,0 +1,222 @@
+"""A real multi-raylet Ray cluster on this machine, and a training run driven against it
+(for the elastic tests and the recovery/chaos benchmarks).
+
+``ray.cluster_utils.Cluster`` starts a head and worker nodes as separate raylets (each
+with its own processes); removing a node SIGKILLs its raylet and everything under it,
+as a dead machine would. The head holds the CPUs Ray Data reads with; each worker node
+holds exactly one training worker (``scaling.cpus_per_worker`` = a worker node's CPUs).
+The run itself is the real command line, ``python launch/run.py``, in a subprocess.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from elastic.observe.tracking import HISTORY_FILE
+
+REPO = Path(__file__).resolve().parents[2]  # a source checkout: launch/run.py
+NODE_CPUS = 3  # per worker node: one training worker each
+FAST_HEALTH = {  # notice a dead node within seconds (see shared notes on Slurm)
+    "health_check_period_ms": 1000,
+    "health_check_failure_threshold": 3,
+    "health_check_timeout_ms": 1000,
+}
+
+
+class RayCluster:
+    def __init__(self, worker_nodes: int, system_config: dict[str, Any] | None = None) -> None:
+        from ray.cluster_utils import Cluster
+
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 2,
+                "object_store_memory": 256 * 1024 * 1024,
+                "include_dashboard": False,
+                "_system_config": FAST_HEALTH if system_config is None else system_config,
+            },
+        )
+        self.nodes: list[Any] = []
+        for _ in range(worker_nodes):
+            self.add_node()
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def add_node(self) -> Any:
+        """A worker node joins (one training worker's worth of CPUs)."""
+        node = self.cluster.add_node(num_cpus=NODE_CPUS, object_store_memory=128 * 1024 * 1024)
+        self.nodes.append(node)
+        return node
+
+    def remove_node(self, node: Any) -> None:
+        """SIGKILL the node's raylet and every process under it, as a dead machine."""
+        self.nodes.remove(node)
+        self.cluster.remove_node(node, allow_graceful=False)
+
+    def node_of_pid(self, pid: int) -> Any:
+        for node in self.nodes:
+            if pid in _descendants(_raylet_pid(node)):
+                return node
+        raise LookupError(f"pid {pid} is on no worker node")
+
+    def train_worker_pids(self) -> list[int]:
+        """PIDs of the Ray Train worker processes on this cluster's worker nodes."""
+        pids = []
+        for node in self.nodes:
+            for pid in _descendants(_raylet_pid(node)):
+                try:
+                    if "RayTrainWorker" in " ".join(psutil.Process(pid).cmdline()):
+                        pids.append(pid)
+                except psutil.Error:
+                    continue
+        return pids
+
+    def drain(self, node: Any, deadline_s: int) -> None:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ray.scripts.scripts",
+                "drain-node",
+                f"--address={self.address}",
+                f"--node-id={node.node_id}",
+                "--reason=DRAIN_NODE_REASON_PREEMPTION",
+                "--reason-message=test preemption",
+                f"--deadline-remaining-seconds={deadline_s}",
+            ],
+            check=True,
+            capture_output=True,
+        )
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
+
+
+def _raylet_pid(node: Any) -> int:
+    from ray._private import ray_constants
+
+    return node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+
+
+def _descendants(pid: int) -> set[int]:
+    try:
+        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+class RunFiles:
+    """What a run (``run.storage_path``/``run.name``) has written so far."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.dir = run_dir
+
+    def records(self) -> list[dict[str, Any]]:
+        path = self.dir / HISTORY_FILE
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written
+                break
+        return out
+
+    def last_step(self) -> int:
+        return max((r["step"] for r in self.records() if "train/loss" in r), default=0)
+
+    def registered_steps(self) -> list[int]:
+        """Steps of the checkpoints Ray Train has registered (complete on every rank)."""
+        path = self.dir / "checkpoint_manager_snapshot.json"
+        try:
+            snapshot = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return []
+        names = [r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]]
+        return [int(n.split("=")[1]) for n in names]
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        return [r for r in self.records() if r.get("event") == kind]
+
+    def exited(self) -> int | None:
+        """The exit code once the run is over, else None."""
+        return None
+
+    def output(self) -> str:
+        return ""
+
+    def wait_for(self, what: str, predicate: Any, timeout: float = 180.0, poll: float = 0.02):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            rc = self.exited()
+            if rc is not None:
+                raise AssertionError(f"run exited ({rc}) before {what}\n" + self.output())
+            time.sleep(poll)
+        raise AssertionError(f"timed out waiting for {what}\n" + self.output()[-5000:])
+
+    def summary(self) -> dict[str, Any]:
+        paths = sorted(glob.glob(str(self.dir / "hydra" / "*" / "summary.json")))
+        assert paths, "no summary.json\n" + self.output()[-5000:]
+        return json.loads(Path(paths[-1]).read_text())
+
+
+class Run(RunFiles):
+    """``python launch/run.py`` in a subprocess, and what it has written so far."""
+
+    def __init__(self, storage: Path, name: str, overrides: list[str], address: str = "") -> None:
+        super().__init__(storage / name)
+        self.log = open(storage / f"{name}.log", "w")  # noqa: SIM115
+        cmd = [
+            sys.executable,
+            str(REPO / "launch/run.py"),
+            *overrides,
+            f"run.storage_path={storage}",
+            f"run.name={name}",
+        ]
+        if address:
+            cmd.append(f"cluster.address={address}")
+        env = {**os.environ, "WANDB_MODE": "offline"}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def exited(self) -> int | None:
+        return self.proc.poll()
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.proc.send_signal(sig)
+
+    def finish(self, timeout: float = 300.0) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.log.close()
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+
+def saving_pids() -> dict[int, str]:
+    """Processes writing a checkpoint right now (elastic.checkpoint names its temp dir
+    ``elastic-ckpt-r<rank>-p<pid>-*``)."""
+    out = {}
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "elastic-ckpt-r*-p*-*")):
+        pid = int(os.path.basename(path).split("-p", 1)[1].split("-", 1)[0])
+        out[pid] = path
+    return out

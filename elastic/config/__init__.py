@@ -1,0 +1,1 @@
+"""Configuration: schemas (dataclasses), validation, Hydra composition."""

@@ -1,0 +1,239 @@
+"""The run's typed configuration: one dataclass per config group.
+
+Hydra composes YAML from ``conf/`` against these schemas (registered in its ConfigStore
+by :func:`register_schemas`), so a typo or a wrong type fails while composing. Defaults
+live here and in ``conf/``; validation is in :mod:`elastic.config.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from elastic.models import MODEL_SCHEMAS
+from elastic.plugins import load_plugins
+
+
+@dataclass
+class SyntheticDataConfig:
+    """How to generate the synthetic dataset when ``data.path`` does not exist yet."""
+
+    rows: int = 4096
+    val_rows: int = 512
+    shards: int = 8
+    input_dim: int = 64
+    output_dim: int = 1
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    path: str = MISSING
+    """Directory of training Parquet shards."""
+    val_path: str | None = None
+    """Directory of validation Parquet shards; null = no validation."""
+    global_batch_size: int = 64
+    """Samples per optimizer step, summed over all workers; kept at every world size."""
+    micro_batch_size: int | None = None
+    """Per-worker forward batch; the per-worker share (global / world size) must be a
+    multiple of it, the rest is gradient accumulation. null = the whole share at once."""
+    input_column: str = "x"
+    target_column: str = "y"
+    format: str = "array"
+    """array: the input column holds arrays (fixed-size lists); image: encoded image
+    bytes (PNG, JPEG, ...), decoded and resized in Ray Data's map_batches; contacts:
+    bit-packed contact maps (datasets/protein), decoded to 0/1 vectors."""
+    image_size: int = 32
+    """image: decoded images are resized to image_size x image_size."""
+    image_channels: int = 1
+    """image: 1 (grayscale) or 3 (RGB)."""
+    augment_shift: int = 0
+    """image: shift each training image by up to this many pixels, by an offset fixed by
+    data.seed, the epoch and the sample_id (the same on any worker, after a resume too);
+    0 = no augmentation."""
+    seed: int = 0
+    """Seed of the data's randomness (row order, augmentation)."""
+    shuffle_files: bool = True
+    """Read the train split's shards in an order fixed by data.seed and the epoch, new
+    every epoch (so the workers' shares change too); epochs replayed from the worker
+    cache (data.cache_mb) take its blocks in an order fixed by data.seed, the epoch and
+    the rank. false = shard order every epoch."""
+    shuffle_buffer_rows: int = 1024
+    """Each worker mixes its rows through a buffer of this many decoded rows, in an order
+    fixed by data.seed, the epoch and the worker's rank (a resume at the same world size
+    replays it exactly); a new order every epoch. Memory: rows x decoded row size. 0 =
+    rows in shard order (converters already write rows in a seeded random order)."""
+    block_size_mb: float = 1.0
+    """Largest Ray Data block. Blocks are the unit the workers' splits are dealt in, so
+    small blocks keep the workers' shares even (Ray reads small shards as one block);
+    small datasets get smaller blocks still, at least 8 per worker."""
+    prefetch_mb: float = 128.0
+    """Per-worker read-ahead buffer; it also hides the start of the next epoch."""
+    cache_mb: float = 512.0
+    """Keep each worker's decoded share of the train split in memory after the first
+    epoch when the split's uncompressed size over ``scaling.min_workers`` is at most this
+    (MiB): later epochs then read nothing. 0 streams every epoch."""
+    synthetic: SyntheticDataConfig | None = None
+    """Set for generated data: the dataset is written to ``path`` when it is missing."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    """constant | cosine (cosine decays to 0 over trainer.max_steps after warmup)."""
+
+
+@dataclass
+class StrategyConfig:
+    zero_stage: int = 0
+    precision: str = "fp32"
+    """fp32 | bf16"""
+    gradient_clipping: float = 0.0
+
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass
+class ScalingConfig:
+    min_workers: int = 2
+    max_workers: int = 2
+    """min < max is elastic: Ray Train runs as many workers as the cluster holds, shrinks
+    when a node dies and grows when one joins (restarting from the latest checkpoint)."""
+    workers: int | None = None
+    """Set: a fixed world size, min_workers = max_workers = workers (for a scaling
+    sweep: ``-m scaling.workers=1,2,4``)."""
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    placement_strategy: str = "PACK"
+    """How workers are placed on nodes (Ray placement group strategy): PACK fills a node
+    first, SPREAD puts them on as many nodes as it can (one worker per node on a batch
+    allocation), STRICT_PACK / STRICT_SPREAD insist."""
+    batch_policy: str = "strict"
+    """strict: every world size in min..max must split data.global_batch_size (a config
+    error lists those that do); adjust: a world size that cannot gets the nearest global
+    batch it can split, with the learning rate scaled linearly (logged as an event)."""
+    max_failures: int = 10
+    """Worker/node failures to recover from (Ray's FailureConfig); -1 = no limit.
+    Preemptions (node drains) are not counted against it."""
+    resize_interval_s: float = 10.0
+    """How often a healthy elastic run checks whether more workers fit (Ray default 60)."""
+    start_timeout_s: float = 5.0
+    """Give up on starting a worker group after this long and retry at the size the
+    cluster now holds (Ray default 60: a dead node's workers are waited for that long)."""
+    health_check_interval_s: float = 1.0
+    """Controller polls of the workers (Ray default 2)."""
+    worker_health_check_timeout_s: float = 60.0
+    """A worker whose health check hangs this long is dead (Ray default 600)."""
+    node_refresh_s: float = 2.0
+    """How often the node view Ray Train sizes elastic groups from is refreshed (Ray Data's
+    autoscaling coordinator; Ray default 20): a dead node stops being asked for, and a
+    new node is used, within this."""
+    drain_poll_interval_s: float = 1.0
+    """How often Ray Train looks for drained (preempted) nodes (Ray default 5); a drain
+    makes the run checkpoint at once."""
+
+    def ray_env(self) -> dict[str, str]:
+        """Ray Train's recovery knobs, as the environment its controller reads."""
+        return {
+            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(self.start_timeout_s),
+            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(self.health_check_interval_s),
+            "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": str(self.worker_health_check_timeout_s),
+            "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": str(self.drain_poll_interval_s),
+        }
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    """0 = no step limit (then max_epochs bounds the run)."""
+    max_epochs: int = 1
+    """0 = no epoch limit (then max_steps bounds the run)."""
+    log_every_steps: int = 10
+    val_every_steps: int = 0
+    """0 = validate only at the end."""
+    seed: int = 0
+    stop_at_step: int = 0
+    """>0: checkpoint and stop after this step, resumable later (a fixed slice of a run)."""
+    progress: str = "auto"
+    """The driver's progress display: auto (a live bar on a terminal, else a plain line
+    with the ETA every progress_every_s) | bar | plain | off."""
+    progress_every_s: float = 30.0
+
+
+@dataclass
+class MetricsConfig:
+    target: str | None = None
+    """A goal on a logged metric, e.g. ``val/accuracy>=0.9`` or ``val/loss<=0.05``:
+    summary.json's time_to_target_s is the run's time until it was first met (null if
+    never). A val/ goal needs data.val_path and trainer.val_every_steps > 0."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 50
+    """0 = only at the end."""
+    keep: int = 2
+
+
+@dataclass
+class RunConfig:
+    name: str = MISSING
+    storage_path: str = "runs"
+    experiment: str = ""
+    """Filled from ``+experiment=NAME`` by the entry point."""
+    output_dir: str = ""
+    """Hydra's output directory (summary.json goes there); filled by the entry point."""
+
+
+@dataclass
+class LoggerConfig:
+    kind: str = "wandb"
+    """wandb | none"""
+    project: str = "elastic"
+    entity: str | None = None
+    mode: str = "auto"
+    """auto (online when a W&B key is configured, else offline) | online | offline"""
+
+
+@dataclass
+class ClusterConfig:
+    address: str = ""
+    """Empty: start an embedded local Ray cluster. Else the head's explicit address."""
+    num_cpus: int | None = None
+    """CPUs for the embedded cluster (null = all of this machine's)."""
+    object_store_memory_mb: int = 512
+
+
+@dataclass
+class TrainConfig:
+    model: Any = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+def register_schemas() -> None:
+    """Register the schemas so ``conf/`` YAML is type-checked while Hydra composes it
+    (the plugins' model families too: they are loaded first)."""
+    load_plugins()
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for name, schema in MODEL_SCHEMAS.items():
+        cs.store(group="schema/model", name=name, node=schema)

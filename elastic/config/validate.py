@@ -1,0 +1,263 @@
+"""DictConfig from Hydra -> a validated :class:`~elastic.config.schema.TrainConfig`.
+
+:func:`to_typed` runs once, on the driver. After it no code sees Hydra or OmegaConf, and
+every mistake a user can make in a config has already failed here with one line that
+names the key and the fix (:class:`~elastic.errors.ConfigError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from elastic.config.schema import PLACEMENT_STRATEGIES, TrainConfig
+from elastic.data.formats import data_format
+from elastic.errors import ConfigError
+from elastic.models import MODEL_SCHEMAS
+
+
+def to_typed(cfg: DictConfig) -> TrainConfig:
+    """DictConfig from Hydra -> validated :class:`TrainConfig` (raises ConfigError)."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"config key {missing[0]} has no value: set it, e.g. {missing[0]}=...")
+    _reject_unknown_keys(cfg)
+    typed = OmegaConf.to_object(cfg)
+    assert isinstance(typed, TrainConfig)
+    _reject_non_finite(typed)
+    sc = typed.scaling
+    if sc.workers is not None:
+        if sc.workers < 1:
+            raise ConfigError(f"scaling.workers={sc.workers} is not valid: it must be >= 1")
+        sc.min_workers = sc.max_workers = sc.workers
+    validate(typed)
+    return typed
+
+
+def _reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
+    """A key that no schema declares. Hydra's ``+key=value`` adds keys even to a typed
+    config, and converting to the dataclasses then drops them without a word: a typo
+    such as ``+strategy.zero_stag=2`` would train with the default."""
+    schema = OmegaConf.get_type(node)
+    if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+        return  # a plain dict (no schema): nothing to compare with
+    names = {f.name for f in dataclasses.fields(schema)}
+    for key in node:
+        full = f"{prefix}{key!s}"
+        if key not in names:
+            raise ConfigError(
+                f"unknown config key {full}: no such key in {schema.__name__} (a typo? a key "
+                "added with '+' must exist); check its spelling against the README's config keys"
+            )
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none():
+            _reject_unknown_keys(child, f"{full}.")
+
+
+def _reject_non_finite(obj: Any, key: str = "") -> None:
+    """nan and inf are never a usable setting (optim.lr=inf trained 200 steps at loss nan
+    and reported "finished"): every float of every schema, in lists too."""
+    import math
+
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            _reject_non_finite(getattr(obj, f.name), f"{key}.{f.name}" if key else f.name)
+        return
+    for v in obj if isinstance(obj, (list, tuple)) else [obj]:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{key}={obj} is not valid: it must be a finite number")
+
+
+def _allowed(key: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not valid: use one of {', '.join(choices)}")
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key}={value} is not valid: it must be {bound}")
+
+
+def valid_world_sizes(cfg: TrainConfig) -> list[int]:
+    """World sizes in min..max that split the global batch into whole micro batches."""
+    from elastic.train.batch import BatchPlan
+
+    sizes = range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1)
+    ok = []
+    for w in sizes:
+        try:
+            BatchPlan.for_world(cfg.data.global_batch_size, w, cfg.data.micro_batch_size)
+        except ValueError:
+            continue
+        ok.append(w)
+    return ok
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Reject every value the run could not use, naming the key and the fix."""
+    s, sc, d, t, o = cfg.strategy, cfg.scaling, cfg.data, cfg.trainer, cfg.optim
+    if s.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(
+            f"strategy.zero_stage={s.zero_stage} is not valid: use 0, 1, 2 or 3 (DeepSpeed ZeRO)"
+        )
+    _allowed("strategy.precision", s.precision, ("fp32", "bf16"))
+    _positive("strategy.gradient_clipping", s.gradient_clipping, allow_zero=True)
+    if sc.min_workers < 1:
+        raise ConfigError(f"scaling.min_workers={sc.min_workers} is not valid: it must be >= 1")
+    if sc.min_workers > sc.max_workers:
+        raise ConfigError(
+            f"scaling.min_workers={sc.min_workers} > scaling.max_workers={sc.max_workers}: "
+            "set min_workers <= max_workers (to sweep fixed world sizes: -m scaling.workers=1,2)"
+        )
+    _positive("scaling.cpus_per_worker", sc.cpus_per_worker)
+    _positive("data.global_batch_size", d.global_batch_size)
+    data_format(d.format).check(d, cfg.model)
+    _positive("data.block_size_mb", d.block_size_mb)
+    _positive("data.prefetch_mb", d.prefetch_mb)
+    _positive("data.cache_mb", d.cache_mb, allow_zero=True)
+    _positive("data.shuffle_buffer_rows", d.shuffle_buffer_rows, allow_zero=True)
+    if d.micro_batch_size is not None:
+        _positive("data.micro_batch_size", d.micro_batch_size)
+    _allowed("scaling.batch_policy", sc.batch_policy, ("strict", "adjust"))
+    _allowed("scaling.placement_strategy", sc.placement_strategy, PLACEMENT_STRATEGIES)
+    if sc.max_failures < -1:
+        raise ConfigError(f"scaling.max_failures={sc.max_failures}: use -1 (no limit) or >= 0")
+    for key in (
+        "resize_interval_s",
+        "start_timeout_s",
+        "health_check_interval_s",
+        "worker_health_check_timeout_s",
+        "drain_poll_interval_s",
+        "node_refresh_s",
+    ):
+        _positive(f"scaling.{key}", getattr(sc, key))
+    sizes = range(sc.min_workers, sc.max_workers + 1)
+    ok = valid_world_sizes(cfg)
+    bad = [w for w in sizes if w not in ok]
+    if bad and sc.batch_policy == "strict":
+        works = f"it does at {', '.join(map(str, ok))}" if ok else "it does at none of them"
+        raise ConfigError(
+            f"data.global_batch_size={d.global_batch_size} does not split into whole micro "
+            f"batches (micro_batch_size={d.micro_batch_size}) at world size "
+            f"{', '.join(map(str, bad))} of {sc.min_workers}..{sc.max_workers} ({works}): "
+            f"use a multiple of {_lcm_hint(cfg)}, narrow the scaling range, or set "
+            "scaling.batch_policy=adjust"
+        )
+    if not str(d.path).strip():
+        raise ConfigError("data.path is empty: set data.path=/dir/with/parquet/shards")
+    _positive("trainer.max_steps", t.max_steps, allow_zero=True)
+    _positive("trainer.max_epochs", t.max_epochs, allow_zero=True)
+    if t.max_steps == 0 and t.max_epochs == 0:
+        raise ConfigError(
+            "trainer.max_steps=0 and trainer.max_epochs=0 would never stop: set one of them > 0"
+        )
+    if o.schedule == "cosine" and t.max_steps == 0:
+        raise ConfigError(
+            "optim.schedule=cosine decays over trainer.max_steps, which is 0: "
+            "set trainer.max_steps (the cosine's length) or optim.schedule=constant"
+        )
+    _positive("trainer.log_every_steps", t.log_every_steps)
+    _positive("trainer.val_every_steps", t.val_every_steps, allow_zero=True)
+    _positive("trainer.stop_at_step", t.stop_at_step, allow_zero=True)
+    _allowed("optim.name", o.name, ("adamw", "adam", "sgd"))
+    _allowed("optim.schedule", o.schedule, ("constant", "cosine"))
+    _positive("optim.lr", o.lr)
+    _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
+    _positive("optim.eps", o.eps)
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise ConfigError(
+            f"optim.betas={list(o.betas)} is not valid: use two numbers in [0, 1), e.g. [0.9,0.999]"
+        )
+    _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+    _allowed("trainer.progress", t.progress, ("auto", "bar", "plain", "off"))
+    _positive("trainer.progress_every_s", t.progress_every_s)
+    if cfg.metrics.target is not None:
+        _check_target(cfg)
+    _positive("checkpoint.every_steps", cfg.checkpoint.every_steps, allow_zero=True)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
+    _allowed("logger.kind", cfg.logger.kind, ("wandb", "none"))
+    _allowed("logger.mode", cfg.logger.mode, ("auto", "online", "offline"))
+    name = cfg.run.name
+    if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0"):
+        # the run's folder is storage_path/name: ".." would write (and clean stale
+        # checkpoints) in the folder that holds every other run
+        raise ConfigError(
+            f"run.name={name!r} is not valid: use a plain folder name (no '/', not '.' or '..')"
+        )
+    _check_cluster(cfg)
+    if type(cfg.model) not in MODEL_SCHEMAS.values():
+        raise ConfigError("model is not set: choose one with model=NAME (see conf/model/)")
+    cfg.model.validate()
+
+
+# Ray refuses a smaller object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES)
+OBJECT_STORE_MINIMUM_MB = 75
+
+
+def _check_cluster(cfg: TrainConfig) -> None:
+    """What the embedded cluster is given must be able to run the job: Ray would
+    otherwise ask its autoscaler for CPUs no node has, every 35 s, forever."""
+    c, sc = cfg.cluster, cfg.scaling
+    if c.object_store_memory_mb < OBJECT_STORE_MINIMUM_MB:
+        raise ConfigError(
+            f"cluster.object_store_memory_mb={c.object_store_memory_mb} is not valid: Ray "
+            f"needs at least {OBJECT_STORE_MINIMUM_MB}"
+        )
+    if c.num_cpus is None or c.address:
+        return
+    import math
+
+    # the workers, plus one CPU for Ray Data's read and decode tasks
+    needed = math.ceil(sc.min_workers * sc.cpus_per_worker - 1e-9) + 1
+    if c.num_cpus < needed:
+        raise ConfigError(
+            f"cluster.num_cpus={c.num_cpus} cannot run scaling.min_workers={sc.min_workers} "
+            f"x scaling.cpus_per_worker={sc.cpus_per_worker} plus one CPU for reading data: "
+            f"set cluster.num_cpus >= {needed} (or null: all of this machine's)"
+        )
+
+
+def _check_target(cfg: TrainConfig) -> None:
+    from elastic.observe.metrics import parse_target
+
+    target = parse_target(cfg.metrics.target or "")
+    if target.key.startswith("val/"):
+        if not cfg.data.val_path:
+            raise ConfigError(
+                f"metrics.target={target} needs a validation split: set data.val_path"
+            )
+        if not cfg.trainer.val_every_steps:
+            raise ConfigError(
+                f"metrics.target={target} is checked at validations, which run only at the "
+                "end with trainer.val_every_steps=0: set trainer.val_every_steps (e.g. 50)"
+            )
+
+
+def _lcm_hint(cfg: TrainConfig) -> int:
+    import math
+
+    micro = cfg.data.micro_batch_size or 1
+    lcm = 1
+    for w in range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1):
+        lcm = math.lcm(lcm, w * micro)
+    return lcm
+
+
+def resolve_paths(cfg: TrainConfig, base_dir: str) -> TrainConfig:
+    """Make every path absolute (relative ones are relative to ``base_dir``, the user's cwd)."""
+
+    def absolute(p: str) -> str:
+        p = os.path.expanduser(p)
+        return p if os.path.isabs(p) else os.path.normpath(os.path.join(base_dir, p))
+
+    data = dataclasses.replace(
+        cfg.data,
+        path=absolute(cfg.data.path),
+        val_path=absolute(cfg.data.val_path) if cfg.data.val_path else None,
+    )
+    run = dataclasses.replace(cfg.run, storage_path=absolute(cfg.run.storage_path))
+    return dataclasses.replace(cfg, data=data, run=run)

@@ -1,0 +1,201 @@
+"""Data formats: how the rows of one kind of dataset reach the model.
+
+``data.format=NAME`` picks a registered :class:`DataFormat`; the core (config checks, the
+Ray Data pipeline, the training loop) asks it and never names a format itself. The
+built-in ``array`` format (an input column of fixed-size vectors) is defined here;
+``image`` and ``contacts`` live with their datasets (:mod:`elastic.datasets.images`,
+:mod:`elastic.datasets.protein`); a format of your own is a module that calls
+:func:`register_format`, loaded as a plugin (:func:`load_plugins`, README "Bring your own
+dataset or model").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from elastic.data.shards import ID_COLUMN, list_shards
+from elastic.errors import ConfigError
+from elastic.plugins import load_plugins
+
+if TYPE_CHECKING:
+    from elastic.config.schema import DataConfig
+
+Decoder = Callable[..., dict[str, np.ndarray]]
+"""(Arrow batch, input_column=, target_column=, **kwargs) -> {"sample_id", "x", "y"}."""
+
+
+def column_to_numpy(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Arrow column -> numpy without per-row Python objects (fixed-size lists reshape)."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if pa.types.is_fixed_size_list(column.type):
+        width = column.type.list_size
+        flat = column.flatten()
+        return column_to_numpy(flat).reshape(len(column), width)
+    return column.to_numpy(zero_copy_only=False)
+
+
+def decode_batch(batch: pa.Table, input_column: str, target_column: str) -> dict[str, np.ndarray]:
+    """The ``array`` format's decoder: one Arrow batch of shard rows -> the arrays the
+    model consumes."""
+    return {
+        ID_COLUMN: column_to_numpy(batch[ID_COLUMN]).astype(np.int64, copy=False),
+        "x": column_to_numpy(batch[input_column]),
+        "y": column_to_numpy(batch[target_column]),
+    }
+
+
+class DataFormat:
+    """The ``array`` format, and the base of every other: override what differs.
+
+    A format is one object per name; its methods get the run's ``DataConfig`` (and, where
+    it matters, the model config), so one format serves any dataset of its kind."""
+
+    name = "array"
+    description = "an input column of fixed-size vectors (Parquet fixed_size_list)"
+
+    def extra_columns(self, cfg: DataConfig, schema: pa.Schema) -> list[str]:
+        """Columns to read besides sample_id, the input and the target."""
+        return []
+
+    def decoder(self, cfg: DataConfig, shard: str) -> tuple[Decoder, dict[str, Any]]:
+        """The function Ray Data's ``map_batches`` runs on each Arrow batch, and its keyword
+        arguments beyond the columns (``shard``: any shard of the split)."""
+        return decode_batch, {}
+
+    def input_width(self, cfg: DataConfig, files: list[str]) -> int | None:
+        """The model input's width when the data fixes it (checked against the model
+        before Ray starts), else None."""
+        field_type = pq.read_schema(files[0]).field(cfg.input_column).type
+        return field_type.list_size if pa.types.is_fixed_size_list(field_type) else None
+
+    def input_shape(self, cfg: DataConfig, model: Any) -> tuple[int, ...]:
+        """One row's input shape as the model takes it (an empty batch has it)."""
+        return (getattr(model, "input_dim", None) or 1,)
+
+    def target_shape(self, cfg: DataConfig, model: Any) -> tuple[tuple[int, ...], Any]:
+        """One row's target shape and dtype as decoded (an empty batch has them)."""
+        outputs = getattr(model, "output_dim", 1)
+        classes = getattr(model, "classes", 0)
+        # multitask targets are [class, regressed...]
+        return (outputs - classes + bool(classes),), np.float32
+
+    def empty_batch(self, cfg: DataConfig, model: Any) -> dict[str, np.ndarray]:
+        """A step's batch on a worker whose share of the epoch has run out."""
+        target, dtype = self.target_shape(cfg, model)
+        return {
+            ID_COLUMN: np.zeros(0, np.int64),
+            "x": np.zeros((0, *self.input_shape(cfg, model)), np.float32),
+            "y": np.zeros((0, *target), dtype),
+        }
+
+    def check(self, cfg: DataConfig, model: Any) -> None:
+        """Config errors of this format with this model (raise ConfigError)."""
+        if getattr(model, "input_size", None) == 0:
+            raise ConfigError(
+                f"model={model.name} takes images but data.format=array gives flat rows: set "
+                "model.input_size (rows of model.in_channels x input_size^2 values) or use "
+                "image data"
+            )
+
+    def check_target(self, cfg: DataConfig, model: Any, files: list[str]) -> None:
+        """The target column against the model's task and outputs, from the shards'
+        footers (types, and the labels' range from row-group statistics): a mismatch
+        would otherwise fail at the first step, on every worker, on every retry."""
+        task, outputs = model.task, getattr(model, "output_dim", 1)
+        if task == "vae":
+            return  # the input is the target
+        col, where = cfg.target_column, f"column {cfg.target_column!r} in {cfg.path}"
+        field_type = pq.read_schema(files[0]).field(col).type
+        is_list = pa.types.is_fixed_size_list(field_type)
+        value_type = field_type.value_type if is_list else field_type
+        width = field_type.list_size if is_list else 1
+        if task == "classification":
+            if is_list or not pa.types.is_integer(value_type):
+                raise ConfigError(
+                    f"model.task=classification needs one integer class label per row, but "
+                    f"{where} holds {field_type}: write integer labels, or set model.task"
+                )
+            low, high = _integer_range(files, col)
+            if low is not None and high is not None and (low < 0 or high >= outputs):
+                raise ConfigError(
+                    f"{where} holds class labels {low}..{high} but model.output_dim={outputs} "
+                    f"gives classes 0..{outputs - 1}: set model.output_dim={high + 1}"
+                )
+            return
+        if not (pa.types.is_floating(value_type) or pa.types.is_integer(value_type)):
+            raise ConfigError(f"model.task={task} needs numbers, but {where} holds {field_type}")
+        expected = outputs - model.classes + 1 if task == "multitask" else outputs
+        if task == "regression" and pa.types.is_integer(value_type) and not is_list:
+            raise ConfigError(
+                f"model.task=regression but {where} holds integer labels ({field_type}): for "
+                "classes set model.task=classification and model.output_dim to their number; "
+                "to regress them write the column as floats"
+            )
+        if width != expected:
+            what = "[class, regressed values...]" if task == "multitask" else "values"
+            raise ConfigError(
+                f"{where} holds {width} target value(s) a row but model={model.name} "
+                f"(task={task}, output_dim={outputs}) needs {expected} {what}: set "
+                "model.output_dim to match the data"
+            )
+
+    def missing_hint(self, cfg: DataConfig) -> str | None:
+        """How to make a dataset of this format, for a data.path that does not exist."""
+        return None
+
+    def augment(
+        self, x: np.ndarray, sample_id: np.ndarray, epoch: int, cfg: DataConfig
+    ) -> np.ndarray:
+        """Training-time augmentation of a step's inputs (must depend only on the data
+        seed, the epoch and the sample ids: a resume replays it)."""
+        return x
+
+
+def _integer_range(files: list[str], column: str) -> tuple[int | None, int | None]:
+    """Smallest and largest value of an integer column, from the row-group statistics
+    (None when a shard has none: then unchecked, rather than reading every row)."""
+    low = high = None
+    for f in files:
+        meta = pq.read_metadata(f)
+        index = meta.schema.to_arrow_schema().get_field_index(column)
+        for g in range(meta.num_row_groups):
+            stats = meta.row_group(g).column(index).statistics
+            if stats is None or not stats.has_min_max:
+                return None, None
+            low = stats.min if low is None else min(low, stats.min)
+            high = stats.max if high is None else max(high, stats.max)
+    return low, high
+
+
+FORMATS: dict[str, DataFormat] = {"array": DataFormat()}
+
+
+def register_format(fmt: DataFormat) -> DataFormat:
+    """Make ``fmt`` the format of ``data.format=fmt.name``."""
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def data_format(name: str) -> DataFormat:
+    """The registered format ``name``, or a ConfigError listing the known ones."""
+    if name not in FORMATS:
+        load_plugins()
+    if name not in FORMATS:
+        raise ConfigError(
+            f"data.format={name!r} is not valid: use one of {', '.join(sorted(FORMATS))}, or "
+            "register your own (a plugin: README 'Bring your own dataset or model')"
+        )
+    return FORMATS[name]
+
+
+def input_width(cfg: DataConfig) -> int | None:
+    """Width of the model's input vector when the data fixes it (its format decides, from
+    every shard of both splits where that matters), else None."""
+    files = list_shards(cfg.path) + (list_shards(cfg.val_path) if cfg.val_path else [])
+    return data_format(cfg.format).input_width(cfg, files)

@@ -1,0 +1,215 @@
+"""Parquet shard directories: listing, checks before Ray starts, converters' writes.
+
+:func:`check_dataset` validates a split's shards from their footers (cheap for thousands
+of shards); :func:`write_split` is how converters write one; :func:`locate_samples` and
+:func:`damaged_shard` name the file behind a row or a read that broke training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from elastic.config.schema import DataConfig
+from elastic.errors import ConfigError
+
+ID_COLUMN = "sample_id"
+
+
+def list_shards(path: str, key: str = "data.path") -> list[str]:
+    """The sorted ``.parquet`` files of a directory, or a ConfigError naming the key."""
+    if not os.path.exists(path):
+        raise ConfigError(f"{key}={path} does not exist: point {key} at a directory of shards")
+    if not os.path.isdir(path):
+        raise ConfigError(f"{key}={path} is not a directory: point it at a directory of shards")
+    files = sorted(
+        os.path.join(path, f)
+        for f in os.listdir(path)
+        if f.endswith(".parquet") and not f.startswith(".")
+    )
+    if not files:
+        raise ConfigError(
+            f"{key}={path} holds no .parquet files: prepare the dataset there or fix the path"
+        )
+    return files
+
+
+def locate_samples(path: str, ids: np.ndarray) -> dict[int, str]:
+    """The shard file (name) that holds each of ``ids``: the Parquet footers' sample_id
+    statistics narrow it to row groups, which are then read. For error messages only
+    (a row that broke training): one directory's footers, never on the hot path."""
+    wanted = {int(i) for i in ids}
+    found: dict[int, str] = {}
+    for file in list_shards(path):
+        meta = pq.ParquetFile(file).metadata
+        col = meta.schema.to_arrow_schema().get_field_index(ID_COLUMN)
+        for g in range(meta.num_row_groups):
+            stats = meta.row_group(g).column(col).statistics if col >= 0 else None
+            if (
+                stats is not None
+                and stats.has_min_max
+                and not any(stats.min <= i <= stats.max for i in wanted)
+            ):
+                continue
+            ids_here = pq.ParquetFile(file).read_row_group(g, columns=[ID_COLUMN])[ID_COLUMN]
+            for i in set(ids_here.to_pylist()) & wanted:
+                found[i] = os.path.basename(file)
+        if len(found) == len(wanted):
+            break
+    return found
+
+
+def damaged_shard(exc: BaseException, dirs: list[str | None]) -> str | None:
+    """One line naming a shard that cannot be read, when ``exc`` (from reading the data)
+    came from one: decided by reading the shard again here, in full, so a transient I/O
+    error (gone on a re-read) is still retried like any other failure. A page that does
+    not decode fails the same way on every retry: Ray Data retried it, then Ray Train
+    restarted the worker group on it 11 times without naming the file."""
+    chain: list[BaseException] = []
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is not None and all(e is not c for c in chain):
+            chain.append(e)
+            todo += [e.__cause__, e.__context__]
+    text = "\n".join(str(e) for e in chain)
+    if "parquet" not in text.lower() and "arrow" not in text.lower():
+        return None
+    named = re.findall(r"Failed to read fragment (\S+?\.parquet)", text)
+    files = list(dict.fromkeys(named)) or [
+        f for d in dirs if d and os.path.isdir(d) for f in list_shards(d)
+    ]
+    for file in files:
+        try:
+            shard = pq.ParquetFile(file)
+            for g in range(shard.metadata.num_row_groups):
+                shard.read_row_group(g)
+        except Exception as e:  # what pyarrow says is the message
+            why = " ".join(str(e).split())[:200]
+            return (
+                f"shard {file} cannot be read ({why}): write it again (re-run the dataset's "
+                "converter) or move it out of the dataset directory"
+            )
+    return None
+
+
+def in_val(key: str, val_fraction: float, seed: int) -> bool:
+    """Stable split: whether ``key`` (a file's path, a sample group) is held out depends
+    only on the key and the seed, never on what else the dataset holds."""
+    h = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(h[:8], "little") / 2**64 < val_fraction
+
+
+# the only files a converter writes into a split directory
+SHARD_NAME = re.compile(r"part-\d{5}\.parquet")
+
+
+class OutputError(ValueError):
+    """A converter's output directory that cannot be written (a file, or a directory
+    holding Parquet files the converter did not write)."""
+
+
+def check_split_dir(out: str | os.PathLike) -> str:
+    """``out`` if a converter may write its split there: a directory (or a path to create)
+    holding no ``.parquet`` file besides its own ``part-NNNNN.parquet``. Another Parquet
+    file would be read as part of the dataset, and must not be deleted either."""
+    d = os.fspath(out)
+    existing = next(a for a in (Path(d), *Path(d).parents) if a.exists())
+    if not existing.is_dir():
+        raise OutputError(f"{existing} is a file, not a directory: give an output directory")
+    if existing == Path(d):
+        foreign = sorted(
+            f
+            for f in os.listdir(d)
+            if f.endswith(".parquet") and not f.startswith(".") and not SHARD_NAME.fullmatch(f)
+        )
+        if foreign:
+            raise OutputError(
+                f"{d} holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, "
+                "not written by this converter: write to an empty directory or move them away"
+            )
+    return d
+
+
+def write_split(table: pa.Table, out: str | os.PathLike, shards: int, seed: int) -> None:
+    """A converter's split: ``table``'s rows in a seeded random order (inputs often come
+    sorted by class or time; unmixed, a step would see one kind of sample) as up to
+    ``shards`` files ``out/part-NNNNN.parquet``, replacing the split's old shards (and
+    nothing else: see :func:`check_split_dir`). Each file is written under a temp name and
+    renamed: a half-written shard never looks valid."""
+    d = check_split_dir(out)
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot create {d} ({e.strerror}): give a writable directory") from None
+    for old in os.listdir(d):
+        if SHARD_NAME.fullmatch(old):
+            os.remove(os.path.join(d, old))
+    mixed = table.take(np.random.default_rng(seed).permutation(table.num_rows))
+    bounds = np.linspace(0, table.num_rows, max(1, min(shards, table.num_rows)) + 1).astype(int)
+    for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        final = os.path.join(d, f"part-{i:05d}.parquet")
+        tmp = os.path.join(d, f".part-{i:05d}.parquet.tmp")
+        pq.write_table(mixed.slice(lo, hi - lo), tmp)
+        os.replace(tmp, final)
+
+
+@dataclass(frozen=True)
+class Split:
+    """A checked split: its shard files, rows, and uncompressed bytes (from the footers)."""
+
+    files: list[str]
+    rows: int
+    bytes: int
+
+
+def check_dataset(cfg: DataConfig) -> dict[str, Split]:
+    """Every shard opens and has the columns the run needs; returns the splits.
+
+    Reads only Parquet footers, so it is cheap even for thousands of shards.
+    """
+    required = (ID_COLUMN, cfg.input_column, cfg.target_column)
+    checked = {}
+    splits = [("train", "data.path", cfg.path)]
+    if cfg.val_path:
+        splits.append(("val", "data.val_path", cfg.val_path))
+    first_types: dict[str, pa.DataType] | None = None
+    first_file = ""
+    for split, key, path in splits:
+        rows = size = 0
+        files = list_shards(path, key)
+        for f in files:
+            try:
+                meta = pq.read_metadata(f)
+            except (pa.ArrowInvalid, OSError) as e:
+                raise ConfigError(
+                    f"{f} is not a readable Parquet file ({str(e).splitlines()[0]}): "
+                    "regenerate or remove it"
+                ) from None
+            schema = meta.schema.to_arrow_schema()
+            for col in required:
+                if col not in schema.names:
+                    raise ConfigError(
+                        f"{f} has no column {col!r} (columns: {', '.join(schema.names)}): "
+                        f"regenerate the shard or set data.input_column/data.target_column"
+                    )
+            types = {col: schema.field(col).type for col in required}
+            if first_types is None:
+                first_types, first_file = types, f
+            for col, typ in types.items():
+                if typ != first_types[col]:
+                    raise ConfigError(
+                        f"{f} has column {col!r} of type {typ}, {first_file} of type "
+                        f"{first_types[col]}: every shard of a dataset needs the same schema"
+                    )
+            rows += meta.num_rows
+            size += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        checked[split] = Split(files, rows, size)
+    return checked

@@ -1,0 +1,1 @@
+"""The built-in dataset formats, one module each (decoder, converter, generator)."""

@@ -1,0 +1,420 @@
+"""The driver: data ready -> Ray -> TorchTrainer.fit() -> summary.json."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from elastic.config.schema import TrainConfig
+from elastic.data.pipeline import build_datasets, data_config, fits_cache
+from elastic.data.shards import Split, check_dataset
+from elastic.errors import ConfigError, RunError
+from elastic.observe.metrics import (
+    SESSION_END,
+    SESSION_START,
+    append_record,
+    parse_target,
+    read_records,
+    run_seconds,
+    sessions,
+    time_to_target,
+)
+from elastic.observe.progress import DriverProgress, total_steps
+from elastic.observe.tracking import json_text
+from elastic.train.control import FirstEpoch, start_control
+
+
+def prepare_data(cfg: TrainConfig) -> dict[str, Split]:
+    """Generate synthetic data that is configured but missing, then check every shard."""
+    syn = cfg.data.synthetic
+    if syn is not None and not (
+        os.path.isdir(cfg.data.path) and (not cfg.data.val_path or os.path.isdir(cfg.data.val_path))
+    ):
+        from elastic.datasets.synthetic import generate
+
+        print(f"[elastic] generating synthetic data in {cfg.data.path}", flush=True)
+        generate(
+            cfg.data.path,
+            cfg.data.val_path,
+            syn.rows,
+            syn.val_rows,
+            syn.shards,
+            syn.input_dim,
+            syn.output_dim,
+            syn.seed,
+        )
+    return check_dataset(cfg.data)
+
+
+def _interruptible(trainer_cls: type) -> type:
+    """TorchTrainer whose fit() stops on Ctrl-C with a KeyboardInterrupt.
+
+    Ray Train's own SIGINT handler blocks on the controller's abort inside the signal
+    handler and the process then exits 1 without a word. Ours asks the controller to
+    abort without waiting and raises KeyboardInterrupt: Ray is shut down on the way out
+    (only registered, complete checkpoints exist) and the entry point says so, exit 130.
+    A run aborted on a second stop signal raises :class:`~elastic.cluster.Stopped`
+    instead (exit 75: a batch script requeues it)."""
+
+    class Trainer(trainer_cls):
+        interrupted: BaseException | None = None  # what fit() raises once aborted
+        controller: Any = None
+        previous_sigint: Any = None
+
+        def _register_sigint_handler(self, controller: Any) -> None:
+            Trainer.controller = controller
+
+            def handler(signum: int, frame: Any) -> None:
+                Trainer.interrupted = KeyboardInterrupt()
+                controller.abort.remote()
+                raise KeyboardInterrupt
+
+            Trainer.previous_sigint = signal.signal(signal.SIGINT, handler)
+
+        def _create_default_callbacks(self) -> list[Any]:
+            callbacks = [*super()._create_default_callbacks(), _drain_watcher()]
+            if _has_dashboard():
+                return callbacks
+            # Ray Train's PlacementGroupCleaner asks the State API, i.e. the dashboard,
+            # whether the controller still lives; without one it cannot tell and logs
+            # a warning every couple of seconds for the whole run (83 in a smoke run).
+            # Without a dashboard it could never act anyway.
+            return [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
+
+        def fit(self) -> Any:
+            import ray
+
+            try:
+                result = super().fit()
+            except Exception:
+                if Trainer.interrupted is not None:
+                    raise Trainer.interrupted from None
+                raise
+            finally:
+                # The controller actor (~400 MB) would otherwise live as long as this
+                # class, i.e. until a garbage collection: a process that trains more
+                # than once (a notebook, the tests) ran out of memory on them.
+                if Trainer.controller is not None:
+                    with contextlib.suppress(Exception):  # Ray itself may be gone
+                        ray.kill(Trainer.controller)
+                    Trainer.controller = None
+                if Trainer.previous_sigint is not None:
+                    signal.signal(signal.SIGINT, Trainer.previous_sigint)
+            if Trainer.interrupted is not None:
+                raise Trainer.interrupted
+            return result
+
+    return Trainer
+
+
+def _drain_watcher() -> Any:
+    """Ray Train's node-drain watcher callback, whose watcher actor has no restarts.
+
+    Ray Train's own makes one watcher actor per worker group with max_restarts=-1 and the
+    workers' actor handles as constructor arguments, which makes Ray Core print an "E"
+    line at every start (ray-project/ray#53727: such arguments may be gone by a restart).
+    A restart would buy nothing here: a watcher dies with its node, which ends the worker
+    group, and the next group gets a new watcher. Ray Train's is turned off (the flag
+    reaches its controller, which adds it) and this one is passed as a callback."""
+    import ray
+    from ray.train.v2._internal.callbacks.preemption_callback import (
+        PreemptionCallback,
+        PreemptionWatcher,
+    )
+    from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
+
+    os.environ[ENABLE_PREEMPTION_WATCHER_ENV_VAR] = "0"
+
+    class NoRestartPreemptionCallback(PreemptionCallback):
+        def after_worker_group_start(self, worker_group: Any) -> None:
+            self._stop_watcher()
+            node_to_ranks: dict[str, list[int]] = {}
+            by_rank = {}
+            for w in worker_group.get_workers():
+                rank = w.distributed_context.world_rank
+                node_to_ranks.setdefault(w.metadata.node_id, []).append(rank)
+                by_rank[rank] = w.actor
+            watcher = ray.remote(num_cpus=0, max_restarts=0)(PreemptionWatcher)
+            self._watcher = watcher.remote(  # type: ignore[assignment]
+                node_to_ranks=node_to_ranks,
+                poll_interval_s=self._poll_interval_s,
+                worker_actors_by_rank=by_rank,
+            )
+
+    return NoRestartPreemptionCallback()
+
+
+def _has_dashboard() -> bool:
+    """Whether the connected Ray cluster runs a dashboard (and so the State API)."""
+    try:
+        from ray._private.worker import get_dashboard_url
+
+        return bool(get_dashboard_url())
+    except Exception:  # unknown (Ray internals moved): keep Ray's defaults
+        return True
+
+
+def run_dir(cfg: TrainConfig) -> str:
+    return os.path.join(cfg.run.storage_path, cfg.run.name)
+
+
+def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
+    """Run training to the end and return the summary (the entry point writes it out)."""
+    import ray.data
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from elastic.cluster import connect as cluster
+    from elastic.cluster import rendezvous
+    from elastic.train import checkpoint
+    from elastic.train.loop import train_loop
+
+    splits = prepare_data(cfg)
+    out = run_dir(cfg)
+    # the checkpoint to resume from: intact and made for this model, or the run ends here
+    for warning in checkpoint.prepare_resume(out, cfg.model):
+        print(f"[elastic] warning: {warning}", flush=True)
+    # the run's time counts while a session runs (time to target; the report's clock)
+    append_record(out, {"event": SESSION_START, "time": time.time(), "pid": os.getpid()})
+    print(f"[elastic] run {cfg.run.name}: checkpoints and metrics in {out}", flush=True)
+    rows = ", ".join(f"{s.rows} {name} rows" for name, s in splits.items())
+    print(f"[elastic] dataset: {rows}")
+    sc = cfg.scaling
+    cache_train = fits_cache(cfg.data, splits["train"], sc.min_workers)
+    if cache_train:
+        print("[elastic] the train split fits data.cache_mb: read once, then from memory")
+    workers: int | tuple[int, int] = (
+        sc.min_workers if sc.min_workers == sc.max_workers else (sc.min_workers, sc.max_workers)
+    )
+    started = time.time()
+    # Ray Train's controller reads its recovery knobs from the environment it inherits
+    os.environ.update(sc.ray_env())
+    with cluster.connect(cfg.cluster, sc) as where:
+        print(f"[elastic] connected to {where}", flush=True)
+        check_resources(sc, ray.nodes())
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        control = start_control()
+        # a streamed train split reads its files in the order of the epoch it is in
+        shuffled = cfg.data.shuffle_files and not cache_train
+        first_epoch = FirstEpoch(uuid.uuid4().hex) if shuffled else None
+        trainer = _interruptible(TorchTrainer)(
+            train_loop,
+            train_loop_config={
+                "cfg": cfg,
+                "config_dict": config_dict,
+                "run_dir": out,
+                "cache_train": cache_train,
+                "train_rows": splits["train"].rows,
+                "control": control,
+                "first_epoch": first_epoch,
+            },
+            scaling_config=ScalingConfig(
+                num_workers=workers,  # type: ignore[arg-type]  # (min, max) is elastic
+                use_gpu=sc.use_gpu,
+                resources_per_worker={"CPU": sc.cpus_per_worker},
+                placement_strategy=sc.placement_strategy,
+                # Train V2 field (mypy sees the V1 class)
+                elastic_resize_monitor_interval_s=sc.resize_interval_s,  # type: ignore[call-arg]
+            ),
+            run_config=RunConfig(
+                name=cfg.run.name,
+                storage_path=cfg.run.storage_path,
+                checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+                failure_config=FailureConfig(max_failures=sc.max_failures),
+            ),
+            datasets=build_datasets(cfg.data, splits, sc.max_workers),
+            dataset_config=data_config(first_epoch),
+            torch_config=rendezvous.torch_config(sc.use_gpu),
+        )
+        t = cfg.trainer
+        display = DriverProgress(
+            total_steps(
+                t.max_steps,
+                t.max_epochs,
+                t.stop_at_step,
+                splits["train"].rows,
+                cfg.data.global_batch_size,
+            ),
+            t.progress,
+            t.progress_every_s,
+        )
+        try:
+            with _run_control(control, trainer, display):
+                result = trainer.fit()
+        finally:
+            display.close()
+            append_record(out, {"event": SESSION_END, "time": time.time()})
+            if first_epoch is not None:
+                first_epoch.forget()
+    metrics = result.metrics or {}
+    records = read_records(out)
+    events = [r for r in records if "event" in r]
+    target = parse_target(cfg.metrics.target) if cfg.metrics.target else None
+    summary: dict[str, Any] = {
+        "status": "finished",
+        "experiment": cfg.run.experiment,
+        "run_name": cfg.run.name,
+        **(metrics.get("summary") or {}),
+        # every world size the run trained at, in order (a group that failed before its
+        # next checkpoint is in the events, not in the surviving trainer state)
+        "world_sizes": world_sizes(events),
+        "events": events,
+        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "run_dir": out,
+        "wall_s": time.time() - started,
+        # this session's wall time above; the run's over all its sessions here
+        "run_s": run_seconds(sessions(records), time.time()),
+        "target": str(target) if target else None,
+        "time_to_target_s": time_to_target(records, target) if target else None,
+    }
+    summary.setdefault("wandb_dir", None)
+    return summary
+
+
+def check_resources(sc: Any, nodes: list[dict[str, Any]]) -> None:
+    """A worker that fits on no node would make Ray ask its autoscaler for it every 35 s,
+    forever: say so at once, with what the nodes offer (``nodes``: ``ray.nodes()``)."""
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
+    need = {"CPU": sc.cpus_per_worker, **({"GPU": 1.0} if sc.use_gpu else {})}
+    for resource, amount in need.items():
+        best = max((r.get(resource, 0.0) for r in alive), default=0.0)
+        if best < amount:
+            key = "scaling.cpus_per_worker" if resource == "CPU" else "scaling.use_gpu"
+            fix = f"lower {key}" if resource == "CPU" else "set scaling.use_gpu=false"
+            offer = ", ".join(f"{r.get(resource, 0.0):g}" for r in alive) or "none"
+            raise ConfigError(
+                f"{key}: a worker needs {amount:g} {resource} on one node, but the cluster's "
+                f"nodes offer {offer} {resource}: {fix}, or add nodes that have it"
+            )
+
+
+@contextmanager
+def _run_control(control: Any, trainer: Any, display: Any = None) -> Iterator[None]:
+    """The driver's side of the control actor, for the length of fit().
+
+    SIGTERM or SIGUSR1 to the driver (a batch system's warning before the end of an
+    allocation): checkpoint now and stop; the same command resumes. A second one stops at
+    once (exit 75), a SIGINT too (exit 130): the last complete checkpoint is kept.
+
+    The main thread sits in Ray's blocking ``ray.get`` for all of fit(), where Python
+    signal handlers do not run until it returns, i.e. at the end of training. So the
+    signals are read from a wakeup fd (written by the C-level handler the moment one
+    arrives) by one thread, which also makes every call to the control actor.
+
+    A worker that hits an error a retry cannot fix (:class:`RunError`: a bad row, a
+    diverged step, a checkpoint that does not fit) tells the actor; the run is aborted
+    rather than restarted and fit()'s caller gets the RunError, one line naming it.
+    Checkpoints already written stay."""
+    import ray
+
+    from elastic.cluster.connect import Stopped
+
+    done = threading.Event()
+    found: list[str] = []
+    wake_r, wake_w = socket.socketpair()
+    wake_w.setblocking(False)
+
+    def abort(interrupt: BaseException | None) -> None:
+        if interrupt is not None:
+            type(trainer).interrupted = interrupt  # fit() raises it
+        if trainer.controller is not None:
+            trainer.controller.abort.remote()
+
+    def relay() -> None:
+        stopping = False
+        while not done.is_set():
+            if select.select([wake_r], [], [], POLL_S)[0]:
+                for signum in wake_r.recv(64):
+                    if signum == signal.SIGINT:
+                        abort(KeyboardInterrupt())
+                    elif signum in STOP_SIGNALS and stopping:
+                        abort(Stopped(signum))
+                    elif signum in STOP_SIGNALS:
+                        stopping = True
+                        name = signal.Signals(signum).name
+                        print(f"[elastic] {name}: checkpointing now, then stopping", flush=True)
+                        control.request_stop.remote(name)
+            try:
+                message, progress = ray.get(control.status.remote(), timeout=30)
+            except ray.exceptions.GetTimeoutError:
+                continue  # a busy head node; ask again
+            except Exception:  # the run is ending; fit() reports what happened
+                return
+            if progress and display is not None:
+                display.update(progress)
+            if message:
+                found.append(message)
+                abort(None)
+                return
+
+    previous: dict[int, Any] = {}
+    old_fd = None
+    if threading.current_thread() is threading.main_thread():
+        # the Python-level handler has nothing left to do: the relay thread acts
+        previous = {s: signal.signal(s, lambda *_: None) for s in STOP_SIGNALS}
+        old_fd = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
+    thread = threading.Thread(target=relay, name="elastic-control", daemon=True)
+    thread.start()
+    try:
+        yield
+    except Exception:
+        if not found:
+            message = ray.get(control.fatal.remote())
+            if message:
+                found.append(message)
+        if not found:
+            raise
+    finally:
+        done.set()
+        thread.join()
+        if display is not None:  # where the run ended (a short run may end between polls)
+            with contextlib.suppress(Exception):
+                display.update(ray.get(control.status.remote(), timeout=10)[1], final=True)
+        with contextlib.suppress(Exception):  # free it now, not at a garbage collection
+            ray.kill(control)
+        if old_fd is not None:
+            signal.set_wakeup_fd(old_fd)
+        for s, h in previous.items():
+            signal.signal(s, h)
+        wake_r.close()
+        wake_w.close()
+    if found:
+        raise RunError(found[0])
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+POLL_S = 0.5
+
+
+def world_sizes(events: list[dict[str, Any]]) -> list[int]:
+    sizes: list[int] = []
+    for e in events:
+        if e["event"] == "world_size" and (not sizes or sizes[-1] != e["world_size"]):
+            sizes.append(e["world_size"])
+    return sizes
+
+
+def read_events(run_dir: str) -> list[dict[str, Any]]:
+    """Every event rank 0 has recorded for the run (all sessions, all worker groups): the
+    run's history file is appended to and flushed per record, so it also holds what
+    happened after the last checkpoint of a group that then failed."""
+    return [r for r in read_records(run_dir) if "event" in r]
+
+
+def write_summary(summary: dict[str, Any], output_dir: str) -> str:
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "summary.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(json_text(summary, indent=2))
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,136 @@
+"""DeepSpeed engine: the config dict from the typed config and the batch plan, and init."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import threading
+from typing import Any
+
+import torch
+
+from elastic.config.schema import TrainConfig
+from elastic.train.batch import BatchPlan
+
+
+def deepspeed_config(
+    cfg: TrainConfig, plan: BatchPlan, load_universal: bool = False
+) -> dict[str, Any]:
+    s = cfg.strategy
+    ds: dict[str, Any] = {
+        "train_batch_size": plan.global_batch_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum_steps,
+        "zero_optimization": {"stage": s.zero_stage},
+        "bf16": {"enabled": s.precision == "bf16"},
+        # we log ourselves; DeepSpeed's own periodic prints would interleave on every rank
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+        # client optimizers (torch) are what ZeRO then partitions; allow it explicitly
+        "zero_allow_untested_optimizer": True,
+    }
+    if s.gradient_clipping:
+        ds["gradient_clipping"] = s.gradient_clipping
+    if load_universal:
+        ds["checkpoint"] = {"load_universal": True}
+    return ds
+
+
+def base_lr(cfg: TrainConfig, plan: BatchPlan) -> float:
+    """optim.lr, scaled linearly when the batch policy adjusted the global batch."""
+    return cfg.optim.lr * plan.lr_scale
+
+
+def _optimizer(cfg: TrainConfig, params: Any, lr: float) -> torch.optim.Optimizer:
+    o = cfg.optim
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=o.weight_decay)
+    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+    betas = (float(o.betas[0]), float(o.betas[1]))
+    return cls(params, lr=lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
+
+
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    """Multiplier of optim.lr after ``step`` optimizer steps (linear warmup, then schedule)."""
+    o = cfg.optim
+    if o.warmup_steps and step < o.warmup_steps:
+        return (step + 1) / o.warmup_steps
+    if o.schedule == "cosine":
+        span = max(1, cfg.trainer.max_steps - o.warmup_steps)
+        progress = min(1.0, (step - o.warmup_steps) / span)
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0
+
+
+def _skip_shm_comm_op() -> None:
+    """DeepSpeed JIT-compiles a shared-memory op for CPU all-reduce at init (27-57 s and
+    ~2 GB of compiler memory on a fresh machine). Only its inference all-reduce uses it;
+    training collectives go through torch.distributed (gloo), so we skip the build."""
+    # not "import deepspeed.comm.torch as m": that reads the attribute ``torch`` of
+    # deepspeed.comm, which is the torch package itself, so the patch would miss
+    ds_torch: Any = importlib.import_module("deepspeed.comm.torch")
+    if not hasattr(ds_torch, "build_shm_op"):
+        raise RuntimeError("deepspeed.comm.torch.build_shm_op is gone: update _skip_shm_comm_op")
+    ds_torch.build_shm_op = lambda: None
+
+
+def warm_imports() -> threading.Thread:
+    """Import, in the background, what building the engine would import on the spot:
+    DeepSpeed, torch's compiler stack (the optimizer constructor pulls it in) and
+    DeepSpeed's Muon module (its optimizer check does), ~2.8 s on a fresh worker, while
+    the worker reads its checkpoint and starts its data pipeline. Join the thread before
+    importing any of these yourself: two threads importing DeepSpeed's circular imports
+    at once fail ("partially initialized module") or deadlock (both seen here)."""
+
+    def run() -> None:
+        try:
+            import deepspeed  # noqa: F401
+            import torch._dynamo  # noqa: F401
+            from deepspeed.runtime.zero.muon import muon_optimizer  # noqa: F401
+        except Exception:  # only a head start: the real import reports any problem
+            pass
+
+    thread = threading.Thread(target=run, name="elastic-warm-imports", daemon=True)
+    thread.start()
+    return thread
+
+
+def init_distributed(use_gpu: bool, warming: threading.Thread | None = None) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if use_gpu else "cpu")
+    if warming is not None:
+        warming.join()  # never import DeepSpeed in two threads at once
+    import deepspeed
+
+    if not use_gpu:
+        _skip_shm_comm_op()
+    # Ray Train already created the process group; DeepSpeed wraps it.
+    deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
+
+
+def build_engine(
+    cfg: TrainConfig, plan: BatchPlan, model: torch.nn.Module, load_universal: bool = False
+) -> Any:
+    import deepspeed
+
+    optimizer = _optimizer(cfg, model.parameters(), base_lr(cfg, plan))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=deepspeed_config(cfg, plan, load_universal),
+    )
+    return engine
+
+
+def set_base_lr(engine: Any, cfg: TrainConfig, plan: BatchPlan) -> None:
+    """After a restore: the learning rate follows the config and the batch plan of this
+    start (an adjusted global batch scales it), not the one saved in the checkpoint."""
+    lr = base_lr(cfg, plan)
+    scheduler = engine.lr_scheduler
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
+    for group in scheduler.optimizer.param_groups:
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor

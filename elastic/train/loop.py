@@ -1,0 +1,624 @@
+"""The per-worker training loop (runs inside every Ray Train worker).
+
+Top to bottom: world size -> batch plan -> model + DeepSpeed -> resume -> for each step
+{wait data, forward, backward, optimizer step, account samples, log, maybe checkpoint}
+-> validate -> final checkpoint -> close.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+import warnings
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from elastic.config.schema import TrainConfig
+from elastic.data.formats import data_format
+from elastic.data.shards import damaged_shard, locate_samples
+from elastic.data.stream import EpochPrefetcher, StepBatch, StepStream, shard_blocks, shuffled
+from elastic.errors import DivergedError, run_error
+from elastic.models.losses import MetricSums, per_sample_loss
+from elastic.observe.tracking import NullTracker, make_tracker
+from elastic.train import checkpoint as ckpt
+from elastic.train.batch import BatchPlan
+from elastic.train.control import StopPoller, node_drain_probe
+from elastic.train.engine import build_engine, init_distributed, set_base_lr, warm_imports
+
+PHASES = ("data_wait", "forward", "backward", "optimizer", "checkpoint")
+
+# Batches arrive as read-only numpy views of Ray's object store; torch only reads them,
+# so we wrap them without a copy and silence torch's warning about writability.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    import ray
+    import ray.train
+
+    cfg: TrainConfig = config["cfg"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    plan = BatchPlan.for_policy(
+        cfg.scaling.batch_policy, cfg.data.global_batch_size, world, cfg.data.micro_batch_size
+    )
+
+    started = time.perf_counter()
+    warming = warm_imports()
+    with contextlib.ExitStack() as stack:
+        stack.push(_end_run_on_run_error(config.get("control")))
+        resume_from = ray.train.get_checkpoint()
+        path = stack.enter_context(resume_from.as_directory()) if resume_from else None
+        if path is not None:
+            ckpt.check_intact(path)
+        state = ckpt.read_state(path) if path else ckpt.TrainerState()
+        # Ray Data starts its pipeline now, while DeepSpeed initialises and restores
+        if rank == 0 and config.get("first_epoch") is not None:
+            config["first_epoch"].announce(state.epoch)  # the file order to read in
+        max_epochs = cfg.trainer.max_epochs
+        prefetcher = EpochPrefetcher(
+            ray.train.get_dataset_shard("train"),
+            int(cfg.data.prefetch_mb * 1024 * 1024),
+            epochs=max_epochs - state.epoch if max_epochs else None,
+            cache=config["cache_train"],
+            block_order=(cfg.data.seed, rank) if cfg.data.shuffle_files else None,
+        )
+        marks = {"data_s": time.perf_counter()}
+        init_distributed(cfg.scaling.use_gpu, warming)
+        marks["distributed_s"] = time.perf_counter()
+        _seed_everything(cfg.trainer.seed)
+        model = cfg.model.build()
+        resharded = path is not None and ckpt.needs_reshard(state, world, cfg.strategy.zero_stage)
+        engine = build_engine(cfg, plan, model, load_universal=resharded)
+        marks["engine_s"] = time.perf_counter()
+        if path is not None:
+            ckpt.restore(engine, path, rank, universal=resharded)
+            set_base_lr(engine, cfg, plan)
+        marks["restore_s"] = time.perf_counter()
+    # seconds each part of this start took, in order
+    edges = [started, *marks.values()]
+    startup = {k: t - edges[i] for i, (k, t) in enumerate(marks.items())}
+    tracker = make_tracker(
+        rank,
+        cfg=cfg.logger,
+        run_dir=config["run_dir"],
+        run_name=cfg.run.name,
+        experiment=cfg.run.experiment,
+        config=config["config_dict"],
+        run_id=state.wandb_run_id,
+    )
+    state.wandb_run_id = tracker.run_id
+    control = config.get("control")
+    if rank == 0 and control is not None:
+        starts = ray.get(control.register_start.remote(world))
+        if len(starts) > 1:  # Ray Train restarted the worker group within this run
+            before = starts[-2]
+            cause = "grow" if world > before else "shrink" if world < before else "failure"
+            tracker.event(state.step, "restart", cause=cause, world_size=world, previous=before)
+    _note_start(state, tracker, plan, resumed=resume_from is not None, resharded=resharded)
+    if rank == 0:
+        stale = ckpt.remove_unregistered(config["run_dir"], state.step)
+        if stale:
+            tracker.event(state.step, "stale_checkpoints_removed", names=sorted(stale))
+
+    trainer = _Trainer(
+        cfg, engine, plan, state, tracker, rank, world, control, config["train_rows"]
+    )
+    trainer.startup = {"since": started, **startup}
+    val_shard = ray.train.get_dataset_shard("val") if cfg.data.val_path else None
+    try:
+        trainer.train(prefetcher, val_shard)
+        # a preempted run checkpoints and goes: validation would eat into the grace period
+        val = {} if trainer.stop_reason == "preempted" else trainer.validate(val_shard)
+    except Exception as e:
+        message = run_error(e) or damaged_shard(e, [cfg.data.path, cfg.data.val_path])
+        if message is not None and control is not None:
+            # a bad row (or a diverged step) fails again on every retry: the driver ends
+            # the run instead
+            ray.get(control.fail.remote(message))
+        raise
+    trainer.finish(val)
+    tracker.finish()
+    dist.barrier()
+
+
+def _parameters_finite(engine: Any) -> bool:
+    """This rank's parameters (ZeRO-3: its partition, ``ds_tensor``) hold no inf/nan."""
+    for p in engine.module.parameters():
+        t = getattr(p, "ds_tensor", p)
+        if t.numel() and not torch.isfinite(t).all():
+            return False
+    return True
+
+
+def _seed_everything(seed: int) -> None:
+    # the same seed on every rank: every rank must build the same initial model
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _end_run_on_run_error(control: Any) -> Any:
+    """An exit callback (``ExitStack.push``): a :class:`RunError` while resuming (a
+    checkpoint that is damaged or not plain data) would fail every retry the same way,
+    so the driver is told to end the run."""
+
+    def on_exit(exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        import ray
+
+        message = run_error(exc) if exc is not None else None
+        if message is not None and control is not None:
+            ray.get(control.fail.remote(message))
+        return False  # the exception goes on
+
+    return on_exit
+
+
+def _note_start(
+    state: ckpt.TrainerState,
+    tracker: NullTracker,
+    plan: BatchPlan,
+    resumed: bool,
+    resharded: bool = False,
+) -> None:
+    """Events of this (re)start: resume, world size change, batch policy change."""
+    if resumed:
+        tracker.event(
+            state.step,
+            "resume",
+            world_size=plan.world_size,
+            epoch=state.epoch,
+            resharded=resharded,
+            from_world_size=state.world_sizes[-1] if state.world_sizes else plan.world_size,
+        )
+    previous = state.batch_plans[-1] if state.batch_plans else None
+    if not state.world_sizes or state.world_sizes[-1] != plan.world_size:
+        state.world_sizes.append(plan.world_size)
+        state.batch_plans.append(plan.to_dict())
+    # every group start: the checkpoint may predate a group that came and went
+    tracker.event(
+        state.step,
+        "world_size",
+        world_size=plan.world_size,
+        micro_batch_size=plan.micro_batch_size,
+        grad_accum_steps=plan.grad_accum_steps,
+    )
+    if previous is not None and previous["global_batch_size"] == plan.global_batch_size:
+        return
+    if plan.adjusted or previous is not None:
+        # scaling.batch_policy=adjust moved the global batch (or moved it back)
+        tracker.event(
+            state.step,
+            "batch_policy",
+            world_size=plan.world_size,
+            requested_global_batch_size=plan.requested_global_batch_size or plan.global_batch_size,
+            global_batch_size=plan.global_batch_size,
+            lr_scale=plan.lr_scale,
+        )
+
+
+class _Trainer:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        engine: Any,
+        plan: BatchPlan,
+        state: ckpt.TrainerState,
+        tracker: NullTracker,
+        rank: int,
+        world: int,
+        control: Any = None,
+        train_rows: int = 0,
+    ) -> None:
+        self.cfg, self.engine, self.plan, self.state = cfg, engine, plan, state
+        self.tracker, self.rank, self.world = tracker, rank, world
+        # stop requests (the driver's SIGTERM/SIGUSR1) and node drains, made common to
+        # all ranks by the per-step all-reduce
+        self._stop_poller = StopPoller(control if rank == 0 else None)
+        self._progress = control if rank == 0 else None
+        self._drain_probe = node_drain_probe()
+        self._stop_requested = self._drain_pending = self._drain_saved = False
+        self.stop_reason: str | None = None  # "stopped" (trainer.stop_at_step), "preempted"
+        self.train_rows = train_rows  # samples in one epoch of the train split
+        self.startup: dict[str, float] = {}
+        self.task = cfg.model.task
+        self.format = data_format(cfg.data.format)  # its decoding, augmentation, shapes
+        self.classes = getattr(cfg.model, "classes", 0)
+        self.beta = getattr(cfg.model, "beta", 1.0)
+        self.device = engine.device
+        self.dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
+        self.times: dict[str, float] = defaultdict(float)
+        self._sync_s = 0.0  # seconds in the per-step row-count all-reduce, ever
+        # phase seconds of the current log interval (self.times is folded at checkpoints)
+        self._interval_times: dict[str, float] = defaultdict(float)
+        self.session_start = self.train_start = self.train_end = time.perf_counter()
+        self.steady_start: float | None = None
+        self.steady_samples = 0
+        # loss over the current log interval: [sum of per-sample losses, rows]
+        self._interval = torch.zeros(2, dtype=torch.float64)
+        # what went non-finite on this rank in the last step (None: nothing), made common
+        # to all ranks by the next per-step all-reduce or a checkpoint's check
+        self._diverged: dict[str, Any] | None = None
+        self._interval_start = time.perf_counter()
+
+    # -- stopping rules ---------------------------------------------------------------
+    def _done(self) -> bool:
+        t, s = self.cfg.trainer, self.state
+        return (
+            (t.max_steps > 0 and s.step >= t.max_steps)
+            or (t.max_epochs > 0 and s.epoch >= t.max_epochs)
+            or self.stop_reason is not None
+        )
+
+    # -- training ---------------------------------------------------------------------
+    def train(self, prefetcher: EpochPrefetcher, val_shard: Any = None) -> None:
+        self.engine.train()
+        self.session_start = self.train_start = time.perf_counter()
+        while not self._done():
+            stream = self._epoch_stream(prefetcher)
+            epoch_finished = True
+            batches = iter(stream)
+            while True:
+                t0, synced = time.perf_counter(), self._sync_s
+                batch = next(batches, None)
+                # the step's lock-step row-count all-reduce waits for the slowest rank:
+                # communication (with backward, as the gradient all-reduce), not data
+                sync = self._sync_s - synced
+                self._add_seconds("data_wait", time.perf_counter() - t0 - sync)
+                self._add_seconds("backward", sync)
+                if batch is None:
+                    break
+                self._train_step(batch)
+                self._after_step_signals()
+                self._maybe_validate(val_shard)
+                if self.steady_start is None:
+                    # throughput counts from the end of the first step: the pipeline's
+                    # start-up (first batch) is in data_wait, not in samples/s
+                    self.steady_start, self.steady_samples = time.perf_counter(), 0
+                    self._note_startup()
+                else:
+                    self.steady_samples += batch.global_rows
+                if self._done():
+                    epoch_finished = False
+                    break
+            if epoch_finished:
+                self._close_epoch()
+        self._stop_if_diverged()  # before the final validation and checkpoint
+        prefetcher.close()
+        self.train_end = time.perf_counter()
+        self._fold_times()
+
+    def _note_startup(self) -> None:
+        """Where this worker group's start went (restarts are what elastic waits on)."""
+        if self.startup:
+            parts = {k: round(v, 3) for k, v in self.startup.items() if k != "since"}
+            self.tracker.event(
+                self.state.step,
+                "startup",
+                world_size=self.world,
+                **parts,
+                first_step_s=round(time.perf_counter() - self.startup["since"], 3),
+            )
+
+    def _epoch_stream(self, prefetcher: EpochPrefetcher) -> StepStream:
+        # Resume mid-epoch: skip what the checkpoint's bitmap says the epoch has trained.
+        # At an unchanged world size the split and the shuffle are deterministic and the
+        # skipped rows are exactly each worker's first ones, so the run continues bit for
+        # bit (the rows are shuffled first, then the trained ones dropped).
+        ledger, d, epoch = self.state.ledger, self.cfg.data, self.state.epoch
+        blocks = shuffled(prefetcher.epoch(epoch), d.shuffle_buffer_rows, d.seed, epoch, self.rank)
+        return StepStream(
+            blocks,
+            self.plan.per_worker,
+            self._all_reduce_count,
+            skip_ids=ledger.bitmap if ledger.trained else None,
+            empty=self._empty_batch(),
+        )
+
+    def _all_reduce_count(self, rows: int) -> int:
+        """The step's row count over all ranks, and (in the same all-reduce) whether any
+        rank has seen a stop request or a node drain."""
+        stop = self._stop_poller.poll() is not None
+        drain = self._drain_probe()
+        bad = self._diverged is not None
+        t = torch.tensor(
+            [rows, stop, drain, bad], dtype=torch.int64, device=self._collective_device
+        )
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        self._sync_s += time.perf_counter() - t0
+        if t[3]:
+            self._raise_diverged()
+        self._stop_requested = self._stop_requested or bool(t[1])
+        self._drain_pending = bool(t[2])
+        return int(t[0])
+
+    def _after_step_signals(self) -> None:
+        """A stop request checkpoints and ends the run (resumable: a requeue); a node
+        drain checkpoints now, once, and goes on until Ray Train restarts the group
+        without the drained node."""
+        if self._stop_requested and self.stop_reason is None:
+            self.stop_reason = "preempted"
+            self.tracker.event(
+                self.state.step,
+                "preempted",
+                reason=self._stop_poller.reason or "stop requested",
+                world_size=self.world,
+            )
+        elif self._drain_pending and not self._drain_saved:
+            self._drain_saved = True
+            self.tracker.event(self.state.step, "node_drain", world_size=self.world)
+            if not self._done():
+                self._save({"step": self.state.step, "loss": self.state.loss_last})
+
+    @property
+    def _collective_device(self) -> torch.device:
+        return self.device if self.cfg.scaling.use_gpu else torch.device("cpu")
+
+    def _train_step(self, batch: StepBatch) -> None:
+        plan, engine, d = self.plan, self.engine, self.cfg.data
+        inputs = self.format.augment(batch.x, batch.sample_id, self.state.epoch, d)
+        x = torch.from_numpy(inputs).to(self.device, self.dtype)
+        y = x if self.task == "vae" else torch.from_numpy(batch.y).to(self.device)
+        # Weight per-sample losses so the gradient is the mean over the step's rows on all
+        # workers, even when a worker has fewer rows (end of epoch): DeepSpeed divides by
+        # the accumulation steps and averages over workers, which this factor undoes.
+        weight = plan.world_size * plan.grad_accum_steps / batch.global_rows
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        skipped = getattr(engine, "skipped_steps", 0)
+        ids = np.array_split(batch.sample_id, plan.grad_accum_steps)
+        for xs, ys, ids_micro in zip(
+            torch.tensor_split(x, plan.grad_accum_steps),
+            torch.tensor_split(y, plan.grad_accum_steps),
+            ids,
+            strict=True,
+        ):
+            t0 = time.perf_counter()
+            losses = self._losses(engine(xs).float(), ys)
+            loss = losses.sum() * weight
+            self._add_time("forward", t0)
+            t0 = time.perf_counter()
+            engine.backward(loss)
+            self._add_time("backward", t0)
+            t0 = time.perf_counter()
+            engine.step()
+            self._add_time("optimizer", t0)
+            micro_sum = losses.detach().double().sum().cpu()
+            if not torch.isfinite(micro_sum):
+                self._note_diverged(ids_micro[~torch.isfinite(losses.detach().cpu()).numpy()])
+            loss_sum += micro_sum
+        if getattr(engine, "skipped_steps", 0) != skipped:
+            # ZeRO 1/2 found inf/nan gradients and skipped the update: the step's rows
+            # would count as trained without having changed the model
+            self._note_diverged(np.zeros(0, np.int64), skipped_update=True)
+        self.state.ledger.record(batch.sample_id)
+        self.state.step += 1
+        self.state.samples_seen += batch.global_rows
+        self._interval[0] += loss_sum
+        self._interval[1] += batch.rows
+        self._maybe_log()
+        self._maybe_checkpoint()
+
+    def _losses(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return per_sample_loss(self.task, output, target, self.classes, self.beta)
+
+    def _add_time(self, phase: str, since: float) -> None:
+        self._add_seconds(phase, time.perf_counter() - since)
+
+    def _add_seconds(self, phase: str, elapsed: float) -> None:
+        self.times[phase] += elapsed
+        self._interval_times[phase] += elapsed
+
+    def _maybe_log(self) -> None:
+        s, t = self.state, self.cfg.trainer
+        last = (t.max_steps > 0 and s.step >= t.max_steps) or s.step == t.stop_at_step
+        if s.step % t.log_every_steps and not last and s.step != 1:
+            return
+        totals = self._interval.to(self._collective_device)
+        dist.all_reduce(totals)
+        loss = float(totals[0] / totals[1])
+        now = time.perf_counter()
+        elapsed = now - self._interval_start
+        samples_per_s = float(totals[1]) / elapsed if elapsed > 0 else 0.0
+        # rank 0's phases; a rank that waits longer in a collective shows it as backward
+        shares = {p: self._interval_times[p] / elapsed if elapsed > 0 else 0.0 for p in PHASES}
+        if s.loss_first is None:
+            s.loss_first = loss
+        s.loss_last = loss
+        lr = self.engine.get_lr()[0]
+        self.tracker.log(
+            s.step,
+            {
+                "train/loss": loss,
+                "train/lr": lr,
+                "train/samples_per_s": samples_per_s,
+                "train/samples_per_s_per_worker": samples_per_s / self.world,
+                "train/data_wait_share": shares["data_wait"],
+                "train/epoch": s.epoch,
+                "train/world_size": self.world,
+                "train/samples_seen": s.samples_seen,
+                **{f"time/{p}_share": v for p, v in shares.items()},
+            },
+            console=(
+                f"[elastic] step {s.step}{self._of_max()} epoch {s.epoch} | loss {loss:.6g} | "
+                f"{samples_per_s:,.0f} samples/s | data wait {100 * shares['data_wait']:.1f}% "
+                f"| world {self.world}"
+            ),
+        )
+        if self._progress is not None:  # the driver's progress display; never waited on
+            self._progress.progress.remote(s.step, s.epoch, loss, self.world, samples_per_s)
+        self._interval.zero_()
+        self._interval_start = now
+        self._interval_times.clear()
+
+    def _of_max(self) -> str:
+        return f"/{self.cfg.trainer.max_steps}" if self.cfg.trainer.max_steps else ""
+
+    def _maybe_checkpoint(self) -> None:
+        s, t, every = self.state, self.cfg.trainer, self.cfg.checkpoint.every_steps
+        if t.stop_at_step and s.step >= t.stop_at_step:
+            self.stop_reason = "stopped"
+            return  # the final checkpoint in finish() covers it
+        if self._done():
+            return
+        if every and s.step % every == 0:
+            self._save({"step": s.step, "loss": s.loss_last})
+
+    def _maybe_validate(self, val_shard: Any) -> None:
+        every = self.cfg.trainer.val_every_steps
+        if every and val_shard is not None and self.state.step % every == 0 and not self._done():
+            self.validate(val_shard)  # the final validation after training covers the end
+
+    def _sync_ledger(self) -> None:
+        """Gather every rank's trained sample ids to rank 0's ledger."""
+        mine = self.state.ledger.take_pending()
+        gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if gathered is not None:
+            self.state.ledger.merge(gathered)
+
+    def _close_epoch(self) -> None:
+        self._sync_ledger()
+        if self.rank == 0:
+            record = self.state.ledger.close_epoch()
+            self.tracker.event(self.state.step, "epoch_end", **record)
+        else:
+            self.state.ledger.close_epoch()
+
+    def _save(self, metrics: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        self._stop_if_diverged()  # a non-finite model never displaces a good checkpoint
+        self._sync_ledger()
+        self._fold_times()
+        ckpt.save(self.engine, self.state, self.rank, metrics)
+        self._add_time("checkpoint", t0)
+
+    def _fold_times(self) -> None:
+        """Move this session's phase times into the cumulative trainer state."""
+        for phase, secs in self.times.items():
+            self.state.time_s[phase] = self.state.time_s.get(phase, 0.0) + secs
+        now = time.perf_counter()
+        self.state.train_wall_s += now - self.session_start
+        self.session_start = now
+        self.times.clear()
+
+    # -- divergence ---------------------------------------------------------------------
+    def _note_diverged(self, sample_ids: np.ndarray, skipped_update: bool = False) -> None:
+        if self._diverged is None:
+            self._diverged = {"step": self.state.step + 1, "ids": [], "skipped": False}
+        self._diverged["ids"] += [int(i) for i in sample_ids[:5]]
+        self._diverged["skipped"] |= skipped_update
+
+    def _stop_if_diverged(self) -> None:
+        """Before anything is kept (a checkpoint, the final validation): whether any rank
+        saw a non-finite loss, or holds non-finite parameters (a finite loss can still
+        leave inf/nan weights after an update), made common to all ranks."""
+        if self._diverged is None and not _parameters_finite(self.engine):
+            self._diverged = {"step": self.state.step, "ids": [], "params": True}
+        flag = torch.tensor([self._diverged is not None], device=self._collective_device)
+        dist.all_reduce(flag)
+        if flag.item():
+            self._raise_diverged()
+
+    def _raise_diverged(self) -> None:
+        """Every rank stops here, at the same step (this runs after a collective all of
+        them took part in), with one message built from every rank's findings."""
+        found: list[Any] = [None] * self.world
+        dist.all_gather_object(found, self._diverged)
+        seen = [f for f in found if f is not None]
+        step = min(f["step"] for f in seen)
+        ids = sorted({i for f in seen for i in f["ids"]})[:5]
+        o = self.cfg.optim
+        if ids:
+            files = locate_samples(self.cfg.data.path, np.array(ids))
+            where = ", ".join(f"{i} ({files.get(i, '?')})" for i in ids)
+            cause = (
+                f"the loss is not finite for sample_id {where} in {self.cfg.data.path}: check "
+                "those rows for nan/inf, or lower optim.lr"
+            )
+        elif any(f.get("skipped") for f in seen):
+            cause = (
+                "the gradients are not finite and DeepSpeed skipped the update: lower "
+                f"optim.lr (now {o.lr:g}) or set strategy.gradient_clipping"
+            )
+        else:
+            cause = (
+                "the model's parameters are no longer finite: lower optim.lr (now "
+                f"{o.lr:g}) or set strategy.gradient_clipping"
+            )
+        raise DivergedError(
+            f"training diverged at step {step}: {cause}; nothing from this step on was checkpointed"
+        )
+
+    # -- validation and the end ---------------------------------------------------------
+    def validate(self, shard: Any) -> dict[str, float]:
+        if shard is None:
+            return {}
+        self.engine.eval()
+        sums = MetricSums(self.task, getattr(self.cfg.model, "output_dim", 1), self.classes)
+        stream = StepStream(
+            shard_blocks(shard),
+            self.plan.micro_batch_size,
+            self._all_reduce_count,
+            empty=self._empty_batch(),
+        )
+        with torch.no_grad():
+            for batch in stream:
+                x = torch.from_numpy(batch.x).to(self.device, self.dtype)
+                y = x if self.task == "vae" else torch.from_numpy(batch.y).to(self.device)
+                out = self.engine(x).float()
+                losses = self._losses(out, y)
+                sums.add(out.cpu(), y.cpu(), losses.cpu())
+        self.engine.train()
+        totals = sums.sums.to(self._collective_device)
+        dist.all_reduce(totals)
+        sums.sums = totals.cpu()
+        metrics = sums.metrics()
+        self.tracker.log(
+            self.state.step,
+            {f"val/{k}": v for k, v in metrics.items()},
+            console="[elastic] validation: "
+            + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()),
+        )
+        return metrics
+
+    def _empty_batch(self) -> dict[str, np.ndarray]:
+        return self.format.empty_batch(self.cfg.data, self.cfg.model)
+
+    def _exactly_once(self) -> bool:
+        """From the ledger the surviving checkpoints carry: every closed epoch trained
+        each of the dataset's samples once (its bitmap holds them all, no sample was
+        noted twice), and the open epoch has no sample twice."""
+        ledger, rows = self.state.ledger, self.train_rows
+        closed = all(e["trained"] == rows and e["duplicates"] == 0 for e in ledger.closed_epochs)
+        return closed and ledger.duplicates == 0 and ledger.trained <= rows
+
+    def finish(self, val: dict[str, float]) -> None:
+        """Final checkpoint, carrying the run's summary as its metrics."""
+        s = self.state
+        steady_s = self.train_end - (self.steady_start or self.train_end)
+        samples_per_s = self.steady_samples / steady_s if steady_s > 0 else 0.0
+        self._sync_ledger()
+        total = max(s.train_wall_s, 1e-9)
+        shares = {p: s.time_s.get(p, 0.0) / total for p in PHASES}
+        shares["other"] = max(0.0, 1.0 - sum(shares.values()))
+        summary = {
+            "status": self.stop_reason or "finished",
+            "steps": s.step,
+            "epoch": s.epoch,
+            "samples_seen": s.samples_seen,
+            "loss_first": s.loss_first,
+            "loss_last": s.loss_last,
+            "val": val,
+            "samples_per_s": samples_per_s,
+            "time_breakdown": shares,
+            "wandb_dir": self.tracker.wandb_dir,
+            "epochs_closed": s.ledger.closed_epochs,
+            "samples_exactly_once": self._exactly_once(),
+        }
+        ckpt.save(self.engine, s, self.rank, {"step": s.step, "summary": summary})

@@ -1,0 +1,84 @@
+"""The package's import graph: no cycles (every import, lazy ones in functions too), the
+error classes at its bottom, and the core never naming a dataset format or a model."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "elastic"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The elastic modules ``path`` imports, wherever the import statement is."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m in modules}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle in ``graph`` as a path (first and last the same), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                return [*path[path.index(d) :], d]
+            if d not in state and (found := visit(d)):
+                return found
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_cycle_and_errors_at_the_bottom():
+    modules = _modules()
+    graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+    assert graph["elastic.errors"] == set()
+
+
+def test_the_core_names_no_format_and_no_model():
+    """Formats and models are registered (elastic.data.formats, elastic.models): the
+    layers that use them never import a dataset module or a model family."""
+    modules = _modules()
+    core = [m for m in modules if m.split(".")[1:2] in (["config"], ["data"], ["train"], ["observe"])]
+    for m in core:
+        plugins = {
+            d
+            for d in _imports(modules[m], modules)
+            if d.startswith("elastic.datasets.")
+            or (d.startswith("elastic.models.") and d != "elastic.models.losses")
+        }
+        # the synthetic generator is the driver's, for missing synthetic data
+        plugins.discard("elastic.datasets.synthetic")
+        assert not plugins, f"{m} imports {sorted(plugins)}"
+
+
+def test_the_check_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
