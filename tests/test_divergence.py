@@ -11,6 +11,7 @@ import json
 import math
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -104,7 +105,7 @@ def test_summary_is_strict_json_with_non_finite_values(tmp_path):
     from elastic.train.driver import write_summary
 
     path = write_summary({"val": {"loss": math.nan, "r2": -math.inf}, "steps": 3}, tmp_path)
-    text = open(path).read()
+    text = Path(path).read_text()
     summary = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
     assert summary == {"val": {"loss": None, "r2": None}, "steps": 3}
 
@@ -116,9 +117,9 @@ def test_a_shard_with_a_damaged_page_ends_the_run_naming_it(small_data, tmp_path
     shutil.copytree(small_data, root)
     shard = sorted(glob.glob(str(root / "train/*.parquet")))[2]
     column = pq.ParquetFile(shard).metadata.row_group(0).column(1)
-    raw = bytearray(open(shard, "rb").read())
+    raw = bytearray(Path(shard).read_bytes())
     raw[column.data_page_offset : column.data_page_offset + 64] = b"\xab" * 64
-    open(shard, "wb").write(bytes(raw))
+    Path(shard).write_bytes(bytes(raw))
     overrides = small_overrides(
         root, tmp_path, "logger=none", "run.name=damaged", "scaling.max_failures=3"
     )
@@ -126,5 +127,6 @@ def test_a_shard_with_a_damaged_page_ends_the_run_naming_it(small_data, tmp_path
         train(overrides)
     message = str(err.value)
     assert f"shard {shard} cannot be read" in message and "\n" not in message, message
-    events = [json.loads(line) for line in open(tmp_path / "damaged" / "metrics.jsonl")]
+    lines = (tmp_path / "damaged" / "metrics.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
     assert not [e for e in events if e.get("event") == "restart"], "it was retried"

@@ -66,7 +66,8 @@ def test_the_core_names_no_format_and_no_model():
     """Formats and models are registered (elastic.data.formats, elastic.models): the
     layers that use them never import a dataset module or a model family."""
     modules = _modules()
-    core = [m for m in modules if m.split(".")[1:2] in (["config"], ["data"], ["train"], ["observe"])]
+    layers = (["config"], ["data"], ["train"], ["observe"])
+    core = [m for m in modules if m.split(".")[1:2] in layers]
     for m in core:
         plugins = {
             d
