@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO / "launch"))
 import bench  # noqa: E402
 
 
+@pytest.mark.slow
 def test_zero_partitions_model_state_as_the_paper_says(tmp_path):
     """Real DeepSpeed engines on 2 gloo ranks, bf16 Adam: stage 2 keeps 2 + 14/N bytes
     per parameter per rank, stage 3 16/N, each within 10% (measured from the live

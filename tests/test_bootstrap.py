@@ -155,6 +155,7 @@ def test_ray_start_uses_only_the_claimed_ports_and_no_open_dashboard():
     assert not [a for a in node if "dashboard-port" in a or "include-dashboard" in a]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["never joins", "fails to start"])
 def test_head_names_the_nodes_that_did_not_join(tmp_path, how):
     """A real Ray head on this machine waits for a node that never comes (or that wrote

@@ -30,6 +30,7 @@ def groups(table):
     return set(zip(table["material"].to_pylist(), table["thickness_nm"].to_pylist(), strict=True))
 
 
+@pytest.mark.slow
 def test_simulated_patterns_schema_labels_and_held_out_groups(tmp_path):
     pytest.importorskip("abtem", reason="the cbed extra is not installed")
     cmd = [
@@ -120,6 +121,7 @@ def test_multitask_loss_and_metrics():
     assert m["r2"] == pytest.approx(1 - 2 / (2 / 3))
 
 
+@pytest.mark.slow
 def test_cbed_cnn_learns_structure_and_thickness_from_synthetic_patterns(tmp_path, ray_session):
     """The real pipeline with the cbed_cnn experiment: flat patterns reshaped, log
     intensities, two heads; on held-out groups the structure is far above chance and the
@@ -142,6 +144,7 @@ def test_cbed_cnn_learns_structure_and_thickness_from_synthetic_patterns(tmp_pat
     assert val["r2"] > 0.2, val  # thickness: well above the mean predictor (0)
 
 
+@pytest.mark.slow
 def test_cbed_vit_learns_in_bf16_with_zero3(tmp_path, ray_session):
     """The transformer experiment (the model bench.py gpu scales to ViT-L) on the same
     pipeline, in bf16 with parameters, gradients and optimizer state partitioned

@@ -23,6 +23,8 @@ from elastic.errors import RunError
 from elastic.train import checkpoint as ckpt
 from elastic.train.driver import read_events
 
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m 'not slow'
+
 STAGING = ".staging"  # under the run's folder
 COMMON = [
     "logger=none",

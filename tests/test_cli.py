@@ -16,6 +16,8 @@ import psutil
 import pytest
 from conftest import small_overrides
 
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m 'not slow'
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -3,6 +3,7 @@ pipeline (synthetic maps of the protein converter's schema; no extra needed)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import train
 
@@ -42,6 +43,7 @@ def test_the_vae_reads_and_writes_upper_triangles_of_symmetric_maps():
     assert 0 <= m["f1"] <= 1
 
 
+@pytest.mark.slow
 def test_protein_cvae_trains_through_the_pipeline(tmp_path, ray_session):
     """The experiment's model and task (the target is the input) on a small protein."""
     synthetic(tmp_path / "train", frames=256, residues=40, shards=2)

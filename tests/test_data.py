@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from elastic.data.stream import shuffled
 
@@ -48,6 +49,7 @@ def test_zero_buffer_keeps_the_shard_order():
     np.testing.assert_array_equal(order(0, seed=0, epoch=0), np.arange(370))
 
 
+@pytest.mark.slow
 def test_a_dataset_four_times_the_object_store_streams_through(tmp_path):
     """410 MB of decoded rows through a 100 MB object store (the real entry point, its
     own embedded Ray): blocks stream and are released; every row trains once."""
@@ -111,6 +113,7 @@ def _epochs_as_read(train_dir, shuffle_files: bool, first_epoch: int, epochs: in
     return seen
 
 
+@pytest.mark.slow
 def test_file_order_is_fixed_by_seed_and_epoch_and_new_every_epoch(small_data, ray_session):
     """data.shuffle_files: Ray Data reads the shards in an order fixed by (data.seed,
     epoch); a split that starts at epoch 1 (a resume) reads epoch 1's order; every row

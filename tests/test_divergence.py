@@ -110,6 +110,7 @@ def test_summary_is_strict_json_with_non_finite_values(tmp_path):
     assert summary == {"val": {"loss": None, "r2": None}, "steps": 3}
 
 
+@pytest.mark.slow
 def test_a_shard_with_a_damaged_page_ends_the_run_naming_it(small_data, tmp_path):
     """Footer intact, one page header overwritten: reading it fails the same way every
     time, so the run ends at once naming the file (it was retried 11 times, unnamed)."""

@@ -12,6 +12,8 @@ from conftest import assert_every_epoch_once
 
 from elastic.cluster.localcluster import RayCluster, Run, saving_pids
 
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m 'not slow'
+
 ROWS, BATCH, EPOCHS = 2048, 64, 6
 
 

@@ -151,6 +151,7 @@ def test_image_data_needs_an_image_model(small_data, tmp_path):
             typed_config(cfg, experiment)
 
 
+@pytest.mark.slow
 def test_digits_train_a_resnet_that_generalises(tmp_path, ray_session):
     """scikit-learn's digits as PNG class folders -> prepare.py -> a ResNet through the
     real pipeline; held-out accuracy far above chance (0.1) after 60 steps."""
@@ -178,6 +179,7 @@ def test_digits_train_a_resnet_that_generalises(tmp_path, ray_session):
     assert json.loads(meta[b"elastic.classes"]) == [str(d) for d in range(10)]
 
 
+@pytest.mark.slow
 def test_an_image_that_does_not_decode_at_train_time_ends_the_run_in_one_line(tmp_path):
     """Shards written by something else than the converter (which decodes every image)
     can hold a broken image: the run stops at the first step that meets it, with one

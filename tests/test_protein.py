@@ -128,6 +128,7 @@ def test_mixed_residue_counts_in_one_dataset_fail_at_config_time(tmp_path):
         typed_config(cfg, name)
 
 
+@pytest.mark.slow
 def test_adk_trains_a_model_that_predicts_rmsd_on_a_held_out_trajectory(tmp_path, ray_session):
     """prepare --adk (train: the two DIMS paths; val: the NAMD run), then the real
     pipeline: R^2 of RMSD-to-open on the held-out NAMD frames >= 0.5."""

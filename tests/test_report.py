@@ -59,6 +59,7 @@ def test_progress_bar_on_a_terminal_shows_step_eta_world_and_loss():
     assert "12/20" in text and "world 1" in text and "loss 0.25" in text and "eta" in text
 
 
+@pytest.mark.slow
 def test_a_scaling_sweep_and_its_report(small_data, tmp_path):
     """``-m scaling.workers=1,2`` with a target metric: each run records its time to
     target (checked against its own history), the driver prints plain progress lines

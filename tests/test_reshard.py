@@ -11,6 +11,8 @@ import torch
 import torch.multiprocessing as mp
 from reshard_worker import run
 
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m 'not slow'
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -10,8 +10,11 @@ import stat
 from pathlib import Path
 
 import psutil
+import pytest
 from conftest import small_overrides
 from test_cli import Session, _alive, _cli
+
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m 'not slow'
 
 RAY_TOKEN = Path.home() / ".ray" / "auth_token"
 

@@ -19,7 +19,7 @@ from slurm_cluster import ENDED, SlurmCluster, missing_requirements
 
 from elastic.cluster.localcluster import REPO, RunFiles
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 ROWS, BATCH = 2048, 48
 ELASTIC = ("scaling.min_workers=2", "scaling.max_workers=3")

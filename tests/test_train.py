@@ -13,7 +13,7 @@ from conftest import assert_every_epoch_once, small_overrides, train
 
 from elastic.train.driver import read_events
 
-pytestmark = pytest.mark.usefixtures("ray_session")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 
 
 def _losses(run_dir: str) -> dict[int, float]:
