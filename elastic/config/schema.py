@@ -94,7 +94,8 @@ class OptimConfig:
 
 @dataclass
 class StrategyConfig:
-    zero_stage: int = 0
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage 0-3 (0: plain data parallelism)."""
     precision: str = "fp32"
     """fp32 | bf16"""
     gradient_clipping: float = 0.0
@@ -156,7 +157,7 @@ class ScalingConfig:
 class TrainerConfig:
     max_steps: int = 100
     """0 = no step limit (then max_epochs bounds the run)."""
-    max_epochs: int = 1
+    max_epochs: int = 0
     """0 = no epoch limit (then max_steps bounds the run)."""
     log_every_steps: int = 10
     val_every_steps: int = 0

@@ -176,7 +176,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     from elastic.cluster import connect as cluster
     from elastic.cluster import rendezvous
     from elastic.train import checkpoint
-    from elastic.train.loop import train_loop
+    from elastic.train.loop import WorkerArgs, train_loop
 
     splits = prepare_data(cfg)
     out = run_dir(cfg)
@@ -209,13 +209,15 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
         trainer = _interruptible(TorchTrainer)(
             train_loop,
             train_loop_config={
-                "cfg": cfg,
-                "config_dict": config_dict,
-                "run_dir": out,
-                "cache_train": cache_train,
-                "train_rows": splits["train"].rows,
-                "control": control,
-                "first_epoch": first_epoch,
+                "args": WorkerArgs(
+                    cfg=cfg,
+                    config_dict=config_dict,
+                    run_dir=out,
+                    cache_train=cache_train,
+                    train_rows=splits["train"].rows,
+                    control=control,
+                    first_epoch=first_epoch,
+                )
             },
             scaling_config=ScalingConfig(
                 num_workers=workers,  # type: ignore[arg-type]  # (min, max) is elastic

@@ -12,6 +12,7 @@ import random
 import time
 import warnings
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,11 +38,30 @@ PHASES = ("data_wait", "forward", "backward", "optimizer", "checkpoint")
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 
+@dataclass
+class WorkerArgs:
+    """What every worker of a run gets from the driver (Ray Train passes it in the
+    ``train_loop_config`` dict, under ``"args"``)."""
+
+    cfg: TrainConfig
+    config_dict: dict[str, Any]
+    """The resolved config as plain data, for W&B."""
+    run_dir: str
+    cache_train: bool
+    """The train split fits ``data.cache_mb``: read once, then from memory."""
+    train_rows: int
+    control: Any = None
+    """The run's control actor (stop requests, fatal errors, progress)."""
+    first_epoch: Any = None
+    """A :class:`~elastic.train.control.FirstEpoch` when the file order is per epoch."""
+
+
 def train_loop(config: dict[str, Any]) -> None:
     import ray
     import ray.train
 
-    cfg: TrainConfig = config["cfg"]
+    args: WorkerArgs = config["args"]
+    cfg = args.cfg
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     plan = BatchPlan.for_policy(
@@ -51,21 +71,21 @@ def train_loop(config: dict[str, Any]) -> None:
     started = time.perf_counter()
     warming = warm_imports()
     with contextlib.ExitStack() as stack:
-        stack.push(_end_run_on_run_error(config.get("control")))
+        stack.push(_end_run_on_run_error(args.control))
         resume_from = ray.train.get_checkpoint()
         path = stack.enter_context(resume_from.as_directory()) if resume_from else None
         if path is not None:
             ckpt.check_intact(path)
         state = ckpt.read_state(path) if path else ckpt.TrainerState()
         # Ray Data starts its pipeline now, while DeepSpeed initialises and restores
-        if rank == 0 and config.get("first_epoch") is not None:
-            config["first_epoch"].announce(state.epoch)  # the file order to read in
+        if rank == 0 and args.first_epoch is not None:
+            args.first_epoch.announce(state.epoch)  # the file order to read in
         max_epochs = cfg.trainer.max_epochs
         prefetcher = EpochPrefetcher(
             ray.train.get_dataset_shard("train"),
             int(cfg.data.prefetch_mb * 1024 * 1024),
             epochs=max_epochs - state.epoch if max_epochs else None,
-            cache=config["cache_train"],
+            cache=args.cache_train,
             block_order=(cfg.data.seed, rank) if cfg.data.shuffle_files else None,
         )
         marks = {"data_s": time.perf_counter()}
@@ -86,14 +106,14 @@ def train_loop(config: dict[str, Any]) -> None:
     tracker = make_tracker(
         rank,
         cfg=cfg.logger,
-        run_dir=config["run_dir"],
+        run_dir=args.run_dir,
         run_name=cfg.run.name,
         experiment=cfg.run.experiment,
-        config=config["config_dict"],
+        config=args.config_dict,
         run_id=state.wandb_run_id,
     )
     state.wandb_run_id = tracker.run_id
-    control = config.get("control")
+    control = args.control
     if rank == 0 and control is not None:
         starts = ray.get(control.register_start.remote(world))
         if len(starts) > 1:  # Ray Train restarted the worker group within this run
@@ -102,13 +122,11 @@ def train_loop(config: dict[str, Any]) -> None:
             tracker.event(state.step, "restart", cause=cause, world_size=world, previous=before)
     _note_start(state, tracker, plan, resumed=resume_from is not None, resharded=resharded)
     if rank == 0:
-        stale = ckpt.remove_unregistered(config["run_dir"], state.step)
+        stale = ckpt.remove_unregistered(args.run_dir, state.step)
         if stale:
             tracker.event(state.step, "stale_checkpoints_removed", names=sorted(stale))
 
-    trainer = _Trainer(
-        cfg, engine, plan, state, tracker, rank, world, control, config["train_rows"]
-    )
+    trainer = _Trainer(cfg, engine, plan, state, tracker, rank, world, control, args.train_rows)
     trainer.startup = {"since": started, **startup}
     val_shard = ray.train.get_dataset_shard("val") if cfg.data.val_path else None
     try:
