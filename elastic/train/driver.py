@@ -29,6 +29,7 @@ from elastic.observe.metrics import (
     time_to_target,
 )
 from elastic.observe.progress import DriverProgress, total_steps
+from elastic.observe.summary import Summary
 from elastic.observe.tracking import json_text
 from elastic.train.control import FirstEpoch, start_control
 
@@ -261,25 +262,20 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     records = read_records(out)
     events = [r for r in records if "event" in r]
     target = parse_target(cfg.metrics.target) if cfg.metrics.target else None
-    summary: dict[str, Any] = {
-        "status": "finished",
-        "experiment": cfg.run.experiment,
-        "run_name": cfg.run.name,
-        **(metrics.get("summary") or {}),
-        # every world size the run trained at, in order (a group that failed before its
-        # next checkpoint is in the events, not in the surviving trainer state)
-        "world_sizes": world_sizes(events),
-        "events": events,
-        "checkpoint": result.checkpoint.path if result.checkpoint else None,
-        "run_dir": out,
-        "wall_s": time.time() - started,
-        # this session's wall time above; the run's over all its sessions here
-        "run_s": run_seconds(sessions(records), time.time()),
-        "target": str(target) if target else None,
-        "time_to_target_s": time_to_target(records, target) if target else None,
-    }
-    summary.setdefault("wandb_dir", None)
-    return summary
+    summary = Summary.from_parts(
+        metrics.get("summary"),
+        experiment=cfg.run.experiment,
+        run_name=cfg.run.name,
+        world_sizes=world_sizes(events),
+        events=events,
+        checkpoint=result.checkpoint.path if result.checkpoint else None,
+        run_dir=out,
+        wall_s=time.time() - started,
+        run_s=run_seconds(sessions(records), time.time()),
+        target=str(target) if target else None,
+        time_to_target_s=time_to_target(records, target) if target else None,
+    )
+    return summary.to_dict()
 
 
 def check_resources(sc: Any, nodes: list[dict[str, Any]]) -> None:

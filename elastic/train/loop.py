@@ -25,6 +25,7 @@ from elastic.data.shards import damaged_shard, locate_samples
 from elastic.data.stream import EpochPrefetcher, StepBatch, StepStream, shard_blocks, shuffled
 from elastic.errors import DivergedError, run_error
 from elastic.models.losses import MetricSums, per_sample_loss
+from elastic.observe.summary import WorkerSummary
 from elastic.observe.tracking import NullTracker, make_tracker
 from elastic.train import checkpoint as ckpt
 from elastic.train.batch import BatchPlan
@@ -625,18 +626,18 @@ class _Trainer:
         total = max(s.train_wall_s, 1e-9)
         shares = {p: s.time_s.get(p, 0.0) / total for p in PHASES}
         shares["other"] = max(0.0, 1.0 - sum(shares.values()))
-        summary = {
-            "status": self.stop_reason or "finished",
-            "steps": s.step,
-            "epoch": s.epoch,
-            "samples_seen": s.samples_seen,
-            "loss_first": s.loss_first,
-            "loss_last": s.loss_last,
-            "val": val,
-            "samples_per_s": samples_per_s,
-            "time_breakdown": shares,
-            "wandb_dir": self.tracker.wandb_dir,
-            "epochs_closed": s.ledger.closed_epochs,
-            "samples_exactly_once": self._exactly_once(),
-        }
-        ckpt.save(self.engine, s, self.rank, {"step": s.step, "summary": summary})
+        summary = WorkerSummary(
+            status=self.stop_reason or "finished",
+            steps=s.step,
+            epoch=s.epoch,
+            samples_seen=s.samples_seen,
+            loss_first=s.loss_first,
+            loss_last=s.loss_last,
+            val=val,
+            samples_per_s=samples_per_s,
+            time_breakdown=shares,
+            wandb_dir=self.tracker.wandb_dir,
+            epochs_closed=s.ledger.closed_epochs,
+            samples_exactly_once=self._exactly_once(),
+        )
+        ckpt.save(self.engine, s, self.rank, {"step": s.step, "summary": summary.to_dict()})
