@@ -11,7 +11,6 @@ import contextlib
 import random
 import time
 import warnings
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,18 +20,18 @@ import torch.distributed as dist
 
 from elastic.config.schema import TrainConfig
 from elastic.data.formats import data_format
-from elastic.data.shards import damaged_shard, locate_samples
+from elastic.data.shards import damaged_shard
 from elastic.data.stream import EpochPrefetcher, StepBatch, StepStream, shard_blocks, shuffled
-from elastic.errors import DivergedError, run_error
+from elastic.errors import run_error
 from elastic.models.losses import MetricSums, per_sample_loss
 from elastic.observe.summary import WorkerSummary
 from elastic.observe.tracking import NullTracker, make_tracker
 from elastic.train import checkpoint as ckpt
 from elastic.train.batch import BatchPlan
 from elastic.train.control import StopPoller, node_drain_probe
+from elastic.train.divergence import Divergence
 from elastic.train.engine import build_engine, init_distributed, set_base_lr, warm_imports
-
-PHASES = ("data_wait", "forward", "backward", "optimizer", "checkpoint")
+from elastic.train.timing import PHASES, PhaseTimes
 
 # Batches arrive as read-only numpy views of Ray's object store; torch only reads them,
 # so we wrap them without a copy and silence torch's warning about writability.
@@ -146,15 +145,6 @@ def train_loop(config: dict[str, Any]) -> None:
     dist.barrier()
 
 
-def _parameters_finite(engine: Any) -> bool:
-    """This rank's parameters (ZeRO-3: its partition, ``ds_tensor``) hold no inf/nan."""
-    for p in engine.module.parameters():
-        t = getattr(p, "ds_tensor", p)
-        if t.numel() and not torch.isfinite(t).all():
-            return False
-    return True
-
-
 def _seed_everything(seed: int) -> None:
     # the same seed on every rank: every rank must build the same initial model
     random.seed(seed)
@@ -251,18 +241,16 @@ class _Trainer:
         self.beta = getattr(cfg.model, "beta", 1.0)
         self.device = engine.device
         self.dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
-        self.times: dict[str, float] = defaultdict(float)
+        self.times = PhaseTimes()
         self._sync_s = 0.0  # seconds in the per-step row-count all-reduce, ever
-        # phase seconds of the current log interval (self.times is folded at checkpoints)
-        self._interval_times: dict[str, float] = defaultdict(float)
-        self.session_start = self.train_start = self.train_end = time.perf_counter()
+        self.train_start = self.train_end = time.perf_counter()
         self.steady_start: float | None = None
         self.steady_samples = 0
         # loss over the current log interval: [sum of per-sample losses, rows]
         self._interval = torch.zeros(2, dtype=torch.float64)
-        # what went non-finite on this rank in the last step (None: nothing), made common
-        # to all ranks by the next per-step all-reduce or a checkpoint's check
-        self._diverged: dict[str, Any] | None = None
+        self._step_loss_sum = torch.zeros((), dtype=torch.float64)  # the last step's
+        # non-finite losses or updates, made common by the next per-step all-reduce
+        self.divergence = Divergence()
         self._interval_start = time.perf_counter()
 
     # -- stopping rules ---------------------------------------------------------------
@@ -277,40 +265,48 @@ class _Trainer:
     # -- training ---------------------------------------------------------------------
     def train(self, prefetcher: EpochPrefetcher, val_shard: Any = None) -> None:
         self.engine.train()
-        self.session_start = self.train_start = time.perf_counter()
+        self.times.session_start = self.train_start = time.perf_counter()
         while not self._done():
-            stream = self._epoch_stream(prefetcher)
-            epoch_finished = True
-            batches = iter(stream)
-            while True:
-                t0, synced = time.perf_counter(), self._sync_s
-                batch = next(batches, None)
-                # the step's lock-step row-count all-reduce waits for the slowest rank:
-                # communication (with backward, as the gradient all-reduce), not data
-                sync = self._sync_s - synced
-                self._add_seconds("data_wait", time.perf_counter() - t0 - sync)
-                self._add_seconds("backward", sync)
-                if batch is None:
-                    break
-                self._train_step(batch)
-                self._after_step_signals()
-                self._maybe_validate(val_shard)
-                if self.steady_start is None:
-                    # throughput counts from the end of the first step: the pipeline's
-                    # start-up (first batch) is in data_wait, not in samples/s
-                    self.steady_start, self.steady_samples = time.perf_counter(), 0
-                    self._note_startup()
-                else:
-                    self.steady_samples += batch.global_rows
-                if self._done():
-                    epoch_finished = False
-                    break
-            if epoch_finished:
+            if self._train_epoch(prefetcher, val_shard):
                 self._close_epoch()
         self._stop_if_diverged()  # before the final validation and checkpoint
         prefetcher.close()
         self.train_end = time.perf_counter()
-        self._fold_times()
+        self.times.fold_into(self.state)
+
+    def _train_epoch(self, prefetcher: EpochPrefetcher, val_shard: Any) -> bool:
+        """One epoch, or what is left of it; False when a stopping rule ends it early."""
+        batches = iter(self._epoch_stream(prefetcher))
+        while (batch := self._next_batch(batches)) is not None:
+            self._step(batch)  # forward, backward, optimizer
+            self._account(batch)  # ledger, step count, loss sums
+            self._maybe_log()
+            self._maybe_checkpoint()
+            self._after_step_signals()  # preemption, node drain
+            self._maybe_validate(val_shard)
+            self._count_throughput(batch)
+            if self._done():
+                return False
+        return True
+
+    def _next_batch(self, batches: Any) -> StepBatch | None:
+        t0, synced = time.perf_counter(), self._sync_s
+        batch = next(batches, None)
+        # the step's lock-step row-count all-reduce waits for the slowest rank:
+        # communication (with backward, as the gradient all-reduce), not data
+        sync = self._sync_s - synced
+        self.times.add("data_wait", time.perf_counter() - t0 - sync)
+        self.times.add("backward", sync)
+        return batch
+
+    def _count_throughput(self, batch: StepBatch) -> None:
+        if self.steady_start is None:
+            # throughput counts from the end of the first step: the pipeline's start-up
+            # (first batch) is in data_wait, not in samples/s
+            self.steady_start, self.steady_samples = time.perf_counter(), 0
+            self._note_startup()
+        else:
+            self.steady_samples += batch.global_rows
 
     def _note_startup(self) -> None:
         """Where this worker group's start went (restarts are what elastic waits on)."""
@@ -344,7 +340,7 @@ class _Trainer:
         rank has seen a stop request or a node drain."""
         stop = self._stop_poller.poll() is not None
         drain = self._drain_probe()
-        bad = self._diverged is not None
+        bad = self.divergence.pending
         t = torch.tensor(
             [rows, stop, drain, bad], dtype=torch.int64, device=self._collective_device
         )
@@ -352,7 +348,7 @@ class _Trainer:
         dist.all_reduce(t)
         self._sync_s += time.perf_counter() - t0
         if t[3]:
-            self._raise_diverged()
+            self.divergence.stop(self.world, self.cfg.data.path, self.cfg.optim.lr)
         self._stop_requested = self._stop_requested or bool(t[1])
         self._drain_pending = bool(t[2])
         return int(t[0])
@@ -379,7 +375,7 @@ class _Trainer:
     def _collective_device(self) -> torch.device:
         return self.device if self.cfg.scaling.use_gpu else torch.device("cpu")
 
-    def _train_step(self, batch: StepBatch) -> None:
+    def _step(self, batch: StepBatch) -> None:
         plan, engine, d = self.plan, self.engine, self.cfg.data
         inputs = self.format.augment(batch.x, batch.sample_id, self.state.epoch, d)
         x = torch.from_numpy(inputs).to(self.device, self.dtype)
@@ -400,38 +396,34 @@ class _Trainer:
             t0 = time.perf_counter()
             losses = self._losses(engine(xs).float(), ys)
             loss = losses.sum() * weight
-            self._add_time("forward", t0)
+            self.times.since("forward", t0)
             t0 = time.perf_counter()
             engine.backward(loss)
-            self._add_time("backward", t0)
+            self.times.since("backward", t0)
             t0 = time.perf_counter()
             engine.step()
-            self._add_time("optimizer", t0)
+            self.times.since("optimizer", t0)
             micro_sum = losses.detach().double().sum().cpu()
             if not torch.isfinite(micro_sum):
-                self._note_diverged(ids_micro[~torch.isfinite(losses.detach().cpu()).numpy()])
+                bad = ~torch.isfinite(losses.detach().cpu()).numpy()
+                self.divergence.note(self.state.step + 1, ids_micro[bad])
             loss_sum += micro_sum
         if getattr(engine, "skipped_steps", 0) != skipped:
             # ZeRO 1/2 found inf/nan gradients and skipped the update: the step's rows
             # would count as trained without having changed the model
-            self._note_diverged(np.zeros(0, np.int64), skipped_update=True)
+            self.divergence.note(self.state.step + 1, batch.sample_id[:0], skipped_update=True)
+        self._step_loss_sum = loss_sum
+
+    def _account(self, batch: StepBatch) -> None:
+        """The step is done: its rows are trained (the ledger), its loss is summed."""
         self.state.ledger.record(batch.sample_id)
         self.state.step += 1
         self.state.samples_seen += batch.global_rows
-        self._interval[0] += loss_sum
+        self._interval[0] += self._step_loss_sum
         self._interval[1] += batch.rows
-        self._maybe_log()
-        self._maybe_checkpoint()
 
     def _losses(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return per_sample_loss(self.task, output, target, self.classes, self.beta)
-
-    def _add_time(self, phase: str, since: float) -> None:
-        self._add_seconds(phase, time.perf_counter() - since)
-
-    def _add_seconds(self, phase: str, elapsed: float) -> None:
-        self.times[phase] += elapsed
-        self._interval_times[phase] += elapsed
 
     def _maybe_log(self) -> None:
         s, t = self.state, self.cfg.trainer
@@ -445,7 +437,7 @@ class _Trainer:
         elapsed = now - self._interval_start
         samples_per_s = float(totals[1]) / elapsed if elapsed > 0 else 0.0
         # rank 0's phases; a rank that waits longer in a collective shows it as backward
-        shares = {p: self._interval_times[p] / elapsed if elapsed > 0 else 0.0 for p in PHASES}
+        shares = self.times.interval_shares(elapsed)
         if s.loss_first is None:
             s.loss_first = loss
         s.loss_last = loss
@@ -473,7 +465,6 @@ class _Trainer:
             self._progress.progress.remote(s.step, s.epoch, loss, self.world, samples_per_s)
         self._interval.zero_()
         self._interval_start = now
-        self._interval_times.clear()
 
     def _of_max(self) -> str:
         return f"/{self.cfg.trainer.max_steps}" if self.cfg.trainer.max_steps else ""
@@ -513,66 +504,15 @@ class _Trainer:
         t0 = time.perf_counter()
         self._stop_if_diverged()  # a non-finite model never displaces a good checkpoint
         self._sync_ledger()
-        self._fold_times()
+        self.times.fold_into(self.state)
         ckpt.save(self.engine, self.state, self.rank, metrics)
-        self._add_time("checkpoint", t0)
-
-    def _fold_times(self) -> None:
-        """Move this session's phase times into the cumulative trainer state."""
-        for phase, secs in self.times.items():
-            self.state.time_s[phase] = self.state.time_s.get(phase, 0.0) + secs
-        now = time.perf_counter()
-        self.state.train_wall_s += now - self.session_start
-        self.session_start = now
-        self.times.clear()
+        self.times.since("checkpoint", t0)
 
     # -- divergence ---------------------------------------------------------------------
-    def _note_diverged(self, sample_ids: np.ndarray, skipped_update: bool = False) -> None:
-        if self._diverged is None:
-            self._diverged = {"step": self.state.step + 1, "ids": [], "skipped": False}
-        self._diverged["ids"] += [int(i) for i in sample_ids[:5]]
-        self._diverged["skipped"] |= skipped_update
-
     def _stop_if_diverged(self) -> None:
-        """Before anything is kept (a checkpoint, the final validation): whether any rank
-        saw a non-finite loss, or holds non-finite parameters (a finite loss can still
-        leave inf/nan weights after an update), made common to all ranks."""
-        if self._diverged is None and not _parameters_finite(self.engine):
-            self._diverged = {"step": self.state.step, "ids": [], "params": True}
-        flag = torch.tensor([self._diverged is not None], device=self._collective_device)
-        dist.all_reduce(flag)
-        if flag.item():
-            self._raise_diverged()
-
-    def _raise_diverged(self) -> None:
-        """Every rank stops here, at the same step (this runs after a collective all of
-        them took part in), with one message built from every rank's findings."""
-        found: list[Any] = [None] * self.world
-        dist.all_gather_object(found, self._diverged)
-        seen = [f for f in found if f is not None]
-        step = min(f["step"] for f in seen)
-        ids = sorted({i for f in seen for i in f["ids"]})[:5]
-        o = self.cfg.optim
-        if ids:
-            files = locate_samples(self.cfg.data.path, np.array(ids))
-            where = ", ".join(f"{i} ({files.get(i, '?')})" for i in ids)
-            cause = (
-                f"the loss is not finite for sample_id {where} in {self.cfg.data.path}: check "
-                "those rows for nan/inf, or lower optim.lr"
-            )
-        elif any(f.get("skipped") for f in seen):
-            cause = (
-                "the gradients are not finite and DeepSpeed skipped the update: lower "
-                f"optim.lr (now {o.lr:g}) or set strategy.gradient_clipping"
-            )
-        else:
-            cause = (
-                "the model's parameters are no longer finite: lower optim.lr (now "
-                f"{o.lr:g}) or set strategy.gradient_clipping"
-            )
-        raise DivergedError(
-            f"training diverged at step {step}: {cause}; nothing from this step on was checkpointed"
-        )
+        """Before anything is kept (a checkpoint, the final validation)."""
+        if self.divergence.check(self.engine, self.state.step, self._collective_device):
+            self.divergence.stop(self.world, self.cfg.data.path, self.cfg.optim.lr)
 
     # -- validation and the end ---------------------------------------------------------
     def validate(self, shard: Any) -> dict[str, float]:
