@@ -160,8 +160,10 @@ def _start_embedded(
 ) -> None:
     """A one-machine Ray whose every process listens on loopback only."""
     import ray
-    from ray._private import ray_constants
 
+    from elastic.cluster.ray_internals import ray_constants
+
+    constants = ray_constants()
     interface = _loopback_interface()
     if interface:
         env["GLOO_SOCKET_IFNAME"] = interface  # gloo's pair sockets: loopback too
@@ -172,8 +174,8 @@ def _start_embedded(
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
     # Ray turns a loopback node address into the machine's external one, except where it
     # believes it can only run alone (macOS, Windows): so it binds every server there.
-    clusters = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
+    clusters = constants.ENABLE_RAY_CLUSTER
+    constants.ENABLE_RAY_CLUSTER = False
     try:
         ray.init(
             address="local",
@@ -186,7 +188,7 @@ def _start_embedded(
             log_to_driver=True,
         )
     finally:
-        ray_constants.ENABLE_RAY_CLUSTER = clusters
+        constants.ENABLE_RAY_CLUSTER = clusters
         if main_thread:
             signal.signal(signal.SIGINT, previous)
 
@@ -267,11 +269,10 @@ def _embedded_session() -> Iterator[str]:
 
 def _reload_ray_token() -> None:
     """Ray caches its auth mode and token per process: make it read the environment."""
-    with contextlib.suppress(Exception):  # Ray moved on: it reads them at start then
-        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+    from elastic.cluster.ray_internals import reload_auth_token
 
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
+    with contextlib.suppress(Exception):  # Ray moved on: it reads them at start then
+        reload_auth_token()
 
 
 def _sweep_dead_sessions(root: Path) -> None:
@@ -323,7 +324,10 @@ def fresh_node_view(interval_s: float) -> None:
     If it already exists (another job on a long-lived cluster made it), it is left as
     it is."""
     import ray
-    from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as dac
+
+    from elastic.cluster.ray_internals import autoscaling_coordinator
+
+    dac = autoscaling_coordinator()
 
     base = dac._AutoscalingCoordinatorActor
     if not isinstance(getattr(base, "TICK_INTERVAL_S", None), (int, float)):

@@ -106,9 +106,9 @@ class RayCluster:
 
 
 def _raylet_pid(node: Any) -> int:
-    from ray._private import ray_constants
+    from elastic.cluster.ray_internals import ray_constants
 
-    return node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    return node.all_processes[ray_constants().PROCESS_TYPE_RAYLET][0].process.pid
 
 
 def _descendants(pid: int) -> set[int]:
@@ -170,6 +170,41 @@ class RunFiles:
                 raise AssertionError(f"run exited ({rc}) before {what}\n" + self.output())
             time.sleep(poll)
         raise AssertionError(f"timed out waiting for {what}\n" + self.output()[-5000:])
+
+    def wait_step(
+        self,
+        since: float,
+        world: int | None = None,
+        restarted: bool = False,
+        timeout: float = 300,
+    ) -> float:
+        """Time of the first training step logged after ``since`` (at ``world`` workers;
+        ``restarted``: by a worker group started after ``since``, not a step that was
+        already in flight when a worker was killed)."""
+
+        def first() -> float | None:
+            records = self.records()
+            start = since
+            if restarted:
+                marks = [r["time"] for r in records if r.get("event") == "restart"]
+                marks = [m for m in marks if m > since]
+                if not marks:
+                    return None
+                start = marks[0]
+            for r in records:
+                ok = world is None or r.get("train/world_size") == world
+                if "train/loss" in r and r["time"] > start and ok:
+                    return r["time"]
+            return None
+
+        return self.wait_for(f"a step at world size {world or 'any'}", first, timeout=timeout)
+
+    def wait_checkpoint(self, timeout: float = 300) -> None:
+        """Until Ray has registered a checkpoint newer than the step trained now."""
+        now = self.last_step()
+        self.wait_for(
+            "a checkpoint", lambda: any(s > now for s in self.registered_steps()), timeout
+        )
 
     def summary(self) -> dict[str, Any]:
         paths = sorted(glob.glob(str(self.dir / "hydra" / "*" / "summary.json")))

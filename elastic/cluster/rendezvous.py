@@ -16,9 +16,12 @@ from typing import Any
 import ray
 import torch.distributed as dist
 from ray.train.torch import TorchConfig
-from ray.train.torch.config import _set_torch_distributed_env_vars, _TorchBackend
 
 from elastic.cluster.connect import LOOPBACK
+from elastic.cluster.ray_internals import torch_backend
+
+_TorchBackend: Any
+_TorchBackend, _set_torch_distributed_env_vars = torch_backend()
 
 # rank 0's store and its listening socket, alive as long as this worker process
 _served: list[Any] = []

@@ -102,10 +102,10 @@ def node_drain_probe() -> Callable[[], bool]:
     per-step check. Ray Train marks every worker's context when that happens; the probe
     reads the local mark without Ray Train's barrier (``ray.train.get_preemption_info``
     waits for every rank); the loop's own per-step all-reduce makes the answer common."""
-    try:
-        from ray.train.v2._internal.execution.context import get_train_context
+    from elastic.cluster import ray_internals
 
-        preemption = get_train_context().preemption_context
+    try:
+        preemption = ray_internals.worker_preemption_context()
     except Exception:  # not inside a Ray Train V2 worker, or the internals moved
         return lambda: False
     return lambda: preemption.preemption_info is not None
@@ -121,14 +121,14 @@ class FirstEpoch:
         self.key = f"elastic/{fit_id}/first_epoch".encode()
 
     def announce(self, epoch: int) -> None:
-        from ray.experimental.internal_kv import _internal_kv_put
+        from elastic.cluster.ray_internals import kv_put
 
-        _internal_kv_put(self.key, str(epoch).encode(), overwrite=True)
+        kv_put(self.key, str(epoch).encode())
 
     def __call__(self) -> int:
-        from ray.experimental.internal_kv import _internal_kv_get
+        from elastic.cluster.ray_internals import kv_get
 
-        value = _internal_kv_get(self.key)
+        value = kv_get(self.key)
         if value is None:
             raise RuntimeError(f"no first epoch under {self.key!r}: rank 0 announces it first")
         return int(value)
@@ -137,7 +137,7 @@ class FirstEpoch:
         """Tidy-up only (the key is ~50 bytes; it goes with the cluster anyway): the
         driver's KV client can be gone while Ray still runs (ray.cluster_utils.Cluster's
         shutdown() resets it in its process: a test session, a notebook)."""
-        from ray.experimental.internal_kv import _internal_kv_del
+        from elastic.cluster.ray_internals import kv_del
 
         with contextlib.suppress(Exception):
-            _internal_kv_del(self.key)
+            kv_del(self.key)

@@ -127,15 +127,13 @@ def _drain_watcher() -> Any:
     group, and the next group gets a new watcher. Ray Train's is turned off (the flag
     reaches its controller, which adds it) and this one is passed as a callback."""
     import ray
-    from ray.train.v2._internal.callbacks.preemption_callback import (
-        PreemptionCallback,
-        PreemptionWatcher,
-    )
-    from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
 
-    os.environ[ENABLE_PREEMPTION_WATCHER_ENV_VAR] = "0"
+    from elastic.cluster import ray_internals
 
-    class NoRestartPreemptionCallback(PreemptionCallback):
+    PreemptionCallback, PreemptionWatcher, off_switch = ray_internals.preemption_watcher()
+    os.environ[off_switch] = "0"
+
+    class NoRestartPreemptionCallback(PreemptionCallback):  # type: ignore[valid-type,misc]
         def after_worker_group_start(self, worker_group: Any) -> None:
             self._stop_watcher()
             node_to_ranks: dict[str, list[int]] = {}
@@ -144,8 +142,8 @@ def _drain_watcher() -> Any:
                 rank = w.distributed_context.world_rank
                 node_to_ranks.setdefault(w.metadata.node_id, []).append(rank)
                 by_rank[rank] = w.actor
-            watcher = ray.remote(num_cpus=0, max_restarts=0)(PreemptionWatcher)
-            self._watcher = watcher.remote(  # type: ignore[assignment]
+            watcher: Any = ray.remote(num_cpus=0, max_restarts=0)(PreemptionWatcher)
+            self._watcher = watcher.remote(
                 node_to_ranks=node_to_ranks,
                 poll_interval_s=self._poll_interval_s,
                 worker_actors_by_rank=by_rank,
@@ -156,10 +154,10 @@ def _drain_watcher() -> Any:
 
 def _has_dashboard() -> bool:
     """Whether the connected Ray cluster runs a dashboard (and so the State API)."""
-    try:
-        from ray._private.worker import get_dashboard_url
+    from elastic.cluster import ray_internals
 
-        return bool(get_dashboard_url())
+    try:
+        return bool(ray_internals.dashboard_url())
     except Exception:  # unknown (Ray internals moved): keep Ray's defaults
         return True
 

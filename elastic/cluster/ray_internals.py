@@ -1,0 +1,115 @@
+"""Every private Ray API elastic uses, in one place, checked against Ray 2.60.0.
+
+Ray offers no public way to do these; each is named here with what it is for, and
+``tests/test_ray_internals.py`` fails on a Ray whose internals moved (upgrade Ray: run it,
+then fix what it names). Imports are lazy: importing this module does not import Ray.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+RAY_VERSION = "2.60.0"
+"""The Ray release these were checked against (pyproject pins it)."""
+
+IMPORTED = (
+    "ray.train.v2._internal.callbacks.preemption_callback:PreemptionCallback",
+    "ray.train.v2._internal.callbacks.preemption_callback:PreemptionWatcher",
+    "ray.train.v2._internal.constants:ENABLE_PREEMPTION_WATCHER_ENV_VAR",
+    "ray._private.worker:get_dashboard_url",
+    "ray.train.v2._internal.execution.context:get_train_context",
+    "ray.experimental.internal_kv:_internal_kv_put",
+    "ray.experimental.internal_kv:_internal_kv_get",
+    "ray.experimental.internal_kv:_internal_kv_del",
+    "ray.train.torch.config:_TorchBackend",
+    "ray.train.torch.config:_set_torch_distributed_env_vars",
+    "ray._private.ray_constants:ENABLE_RAY_CLUSTER",
+    "ray._private.ray_constants:PROCESS_TYPE_RAYLET",
+    "ray._raylet:AuthenticationTokenLoader",
+    "ray._raylet:Config",
+    "ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator:_AutoscalingCoordinatorActor",
+)
+"""Every private name the functions below import (the test resolves each)."""
+
+TRAINER_PRIVATE_METHODS = ("_register_sigint_handler", "_create_default_callbacks")
+"""TorchTrainer methods elastic overrides (elastic.train.driver): its SIGINT handler
+(Ray's blocks and exits 1 without a word) and its default callbacks (the placement-group
+cleaner that needs a dashboard; the node-drain watcher)."""
+
+
+def preemption_watcher() -> tuple[type, type, str]:
+    """Ray Train's node-drain callback, its watcher actor class, and the environment
+    variable that turns Ray's own off (elastic adds one whose actor does not restart)."""
+    from ray.train.v2._internal.callbacks.preemption_callback import (
+        PreemptionCallback,
+        PreemptionWatcher,
+    )
+    from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
+
+    return PreemptionCallback, PreemptionWatcher, ENABLE_PREEMPTION_WATCHER_ENV_VAR
+
+
+def dashboard_url() -> str | None:
+    """The connected cluster's dashboard address (None without one)."""
+    from ray._private.worker import get_dashboard_url
+
+    return get_dashboard_url() or None
+
+
+def worker_preemption_context() -> Any:
+    """This Ray Train worker's preemption (node drain) context: read without Ray Train's
+    barrier (``ray.train.get_preemption_info`` waits for every rank)."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    return get_train_context().preemption_context
+
+
+def kv_put(key: bytes, value: bytes) -> None:
+    """The GCS key-value store (usable from an async actor, unlike a call to ours)."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(key, value, overwrite=True)
+
+
+def kv_get(key: bytes) -> bytes | None:
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    return _internal_kv_get(key)
+
+
+def kv_del(key: bytes) -> None:
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    _internal_kv_del(key)
+
+
+def torch_backend() -> tuple[type, Any]:
+    """Ray Train's torch backend class and the function that sets LOCAL_RANK & co. on the
+    workers (elastic.cluster.rendezvous serves the rendezvous store on loopback)."""
+    from ray.train.torch.config import _set_torch_distributed_env_vars, _TorchBackend
+
+    return _TorchBackend, _set_torch_distributed_env_vars
+
+
+def ray_constants() -> Any:
+    """``ENABLE_RAY_CLUSTER`` (off: Ray keeps a loopback node address) and
+    ``PROCESS_TYPE_RAYLET`` (a test cluster's raylet pid)."""
+    from ray._private import ray_constants as constants
+
+    return constants
+
+
+def reload_auth_token() -> None:
+    """Ray caches its auth mode and token per process: make it read the environment."""
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def autoscaling_coordinator() -> Any:
+    """Ray Data's autoscaling coordinator module: Ray Train 2.60 sizes elastic groups from
+    its actor, whose node view refreshes every ``TICK_INTERVAL_S``."""
+    from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator
+
+    return default_autoscaling_coordinator
