@@ -21,6 +21,7 @@ from conftest import small_overrides, train
 
 from elastic.errors import RunError
 from elastic.train import checkpoint as ckpt
+from elastic.train import integrity
 from elastic.train.driver import read_events
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m 'not slow'
@@ -119,7 +120,7 @@ def test_a_damaged_newest_checkpoint_falls_back_and_a_deleted_one_is_dropped(
     assert f"warning: checkpoint {run_dir}/step=000000006 was deleted: dropped" in out
     assert os.path.isdir(os.path.join(run_dir, "step=000000004.damaged"))
     # steps 4 and 6 were trained and saved again, into fresh folders
-    assert ckpt.damage(os.path.join(run_dir, "step=000000004")) is None
+    assert integrity.damage(os.path.join(run_dir, "step=000000004")) is None
     assert ckpt.read_state(os.path.join(run_dir, "step=000000006")).step == 6
 
     again = _resume(small_data, tmp_path, "r", "trainer.max_steps=10")

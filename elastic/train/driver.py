@@ -174,13 +174,13 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
 
     from elastic.cluster import connect as cluster
     from elastic.cluster import rendezvous
-    from elastic.train import checkpoint
+    from elastic.train import integrity
     from elastic.train.loop import WorkerArgs, train_loop
 
     splits = prepare_data(cfg)
     out = run_dir(cfg)
     # the checkpoint to resume from: intact and made for this model, or the run ends here
-    for warning in checkpoint.prepare_resume(out, cfg.model):
+    for warning in integrity.prepare_resume(out, cfg.model):
         print(f"[elastic] warning: {warning}", flush=True)
     # the run's time counts while a session runs (time to target; the report's clock)
     append_record(out, {"event": SESSION_START, "time": time.time(), "pid": os.getpid()})

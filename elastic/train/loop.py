@@ -27,6 +27,7 @@ from elastic.models.losses import MetricSums, per_sample_loss
 from elastic.observe.summary import WorkerSummary
 from elastic.observe.tracking import NullTracker, make_tracker
 from elastic.train import checkpoint as ckpt
+from elastic.train import integrity
 from elastic.train.batch import BatchPlan
 from elastic.train.control import StopPoller, node_drain_probe
 from elastic.train.divergence import Divergence
@@ -75,7 +76,7 @@ def train_loop(config: dict[str, Any]) -> None:
         resume_from = ray.train.get_checkpoint()
         path = stack.enter_context(resume_from.as_directory()) if resume_from else None
         if path is not None:
-            ckpt.check_intact(path)
+            integrity.check_intact(path)
         state = ckpt.read_state(path) if path else ckpt.TrainerState()
         # Ray Data starts its pipeline now, while DeepSpeed initialises and restores
         if rank == 0 and args.first_epoch is not None:
