@@ -20,6 +20,9 @@ Every node's Ray gets per-job ports (a claimed block, so two jobs on the same no
 never collide), a short node-local temp dir, token authentication with the job's token
 (a node without it is refused), fast node-death detection, and no dashboard unless
 asked for (then bound to localhost).
+
+Over 400 lines on purpose: the four roles are one protocol (the job directory, port
+blocks, token, node wait and teardown they share); split, it would be read across files.
 """
 
 from __future__ import annotations

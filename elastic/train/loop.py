@@ -2,7 +2,12 @@
 
 Top to bottom: world size -> batch plan -> model + DeepSpeed -> resume -> for each step
 {wait data, forward, backward, optimizer step, account samples, log, maybe checkpoint}
--> validate -> final checkpoint -> close.
+-> validate -> final checkpoint -> close. ``_Trainer._train_epoch`` is the per-step path.
+
+Over 400 lines on purpose: one class holds what every part of a step shares (the
+engine, the ledger, the lock-step collectives); what needs none of it lives beside it
+(:mod:`~elastic.train.timing`, :mod:`~elastic.train.divergence`,
+:mod:`~elastic.train.control`, :mod:`~elastic.data.stream`).
 """
 
 from __future__ import annotations
