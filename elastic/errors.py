@@ -8,6 +8,10 @@ infrastructure failures (a dead worker or node) count against ``scaling.max_fail
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class ConfigError(ValueError):
     """A user-fixable configuration mistake; the message is one line naming key and fix."""
@@ -55,3 +59,16 @@ def run_error(exc: BaseException) -> str | None:
                     return message.strip()
         todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
     return None
+
+
+EXIT_USER_ERROR = 2
+
+
+@contextmanager
+def one_line_errors(*kinds: type[BaseException]) -> Iterator[None]:
+    """A command's user mistakes (``kinds``) end it with one line on stderr, exit 2."""
+    try:
+        yield
+    except kinds as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USER_ERROR) from None

@@ -10,8 +10,8 @@ marked, learning speedup T1/TN) into --out (default: the first DIR).
 from __future__ import annotations
 
 import argparse
-import sys
 
+from elastic.errors import one_line_errors
 from elastic.observe.report import write_report
 
 
@@ -20,11 +20,8 @@ def main() -> None:
     p.add_argument("paths", nargs="+", help="multirun dir, run output dirs or summary.json files")
     p.add_argument("--out", help="where report.md and the figures go (default: first path)")
     args = p.parse_args()
-    try:
+    with one_line_errors(FileNotFoundError, ValueError):
         path = write_report(args.paths, args.out)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     print(f"[elastic] report: {path}")
 
 

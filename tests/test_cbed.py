@@ -121,23 +121,28 @@ def test_multitask_loss_and_metrics():
     assert m["r2"] == pytest.approx(1 - 2 / (2 / 3))
 
 
+def _train_on_synthetic(tmp_path, experiment: str, *extra: str) -> dict:
+    """60 steps of ``experiment`` on 2,000 synthetic 64x64 patterns."""
+    synthetic(tmp_path / "s", 2000, Settings(size=64), shards=4)
+    return train(
+        [
+            f"+experiment={experiment}",
+            f"data.path={tmp_path}/s/train",
+            f"data.val_path={tmp_path}/s/val",
+            f"run.storage_path={tmp_path}/runs",
+            "trainer.max_steps=60",
+            "logger=none",
+            *extra,
+        ]
+    )
+
+
 @pytest.mark.slow
 def test_cbed_cnn_learns_structure_and_thickness_from_synthetic_patterns(tmp_path, ray_session):
     """The real pipeline with the cbed_cnn experiment: flat patterns reshaped, log
     intensities, two heads; on held-out groups the structure is far above chance and the
     thickness well above the mean (60 steps; the real patterns' figures are in the README)."""
-    synthetic(tmp_path / "s", 2000, Settings(size=64), shards=4)
-    summary = train(
-        [
-            "+experiment=cbed_cnn",
-            f"data.path={tmp_path}/s/train",
-            f"data.val_path={tmp_path}/s/val",
-            f"run.storage_path={tmp_path}/runs",
-            "trainer.max_steps=60",
-            "checkpoint.every_steps=0",
-            "logger=none",
-        ]
-    )
+    summary = _train_on_synthetic(tmp_path, "cbed_cnn", "checkpoint.every_steps=0")
     assert summary["status"] == "finished" and summary["samples_exactly_once"] is True
     val = summary["val"]
     assert val["accuracy"] >= 2 / len(STRUCTURES), val
@@ -150,19 +155,12 @@ def test_cbed_vit_learns_in_bf16_with_zero3(tmp_path, ray_session):
     pipeline, in bf16 with parameters, gradients and optimizer state partitioned
     (ZeRO-3) and a checkpoint mid-run: it trains every sample once and learns the
     structure type well above chance in 60 steps."""
-    synthetic(tmp_path / "s", 2000, Settings(size=64), shards=4)
-    summary = train(
-        [
-            "+experiment=cbed_vit",
-            f"data.path={tmp_path}/s/train",
-            f"data.val_path={tmp_path}/s/val",
-            f"run.storage_path={tmp_path}/runs",
-            "trainer.max_steps=60",
-            "checkpoint.every_steps=30",
-            "strategy.precision=bf16",
-            "strategy.zero_stage=3",
-            "logger=none",
-        ]
+    summary = _train_on_synthetic(
+        tmp_path,
+        "cbed_vit",
+        "checkpoint.every_steps=30",
+        "strategy.precision=bf16",
+        "strategy.zero_stage=3",
     )
     assert summary["status"] == "finished" and summary["samples_exactly_once"] is True
     assert summary["loss_last"] < 0.6 * summary["loss_first"]

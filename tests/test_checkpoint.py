@@ -160,22 +160,34 @@ def test_a_checkpoint_for_another_model_ends_the_run_at_once(stopped_run, small_
     assert len([e for e in read_events(run_dir) if e["event"] == "world_size"]) == 1
 
 
+def _planted(stopped_run, small_data, tmp_path, plant) -> tuple[str, str, str]:
+    """A payload planted by ``plant(newest checkpoint, marker path)``, then a resume:
+    the run must end with a RunError and the payload must never have run. Returns the
+    run dir, the newest checkpoint and the error's message."""
+    run_dir = _copy(stopped_run, tmp_path, "r")
+    marker = tmp_path / "payload-ran"
+    newest = os.path.join(run_dir, "step=000000006")
+    plant(newest, str(marker))
+    with pytest.raises(RunError) as e:
+        _resume(small_data, tmp_path, "r", "trainer.max_steps=8")
+    assert not marker.exists()
+    return run_dir, newest, str(e.value)
+
+
 def test_a_payload_planted_in_a_deepspeed_file_is_refused_before_anything_runs(
     stopped_run, small_data, tmp_path
 ):
-    run_dir = _copy(stopped_run, tmp_path, "r")
-    marker = tmp_path / "payload-ran"
     rel = "model/zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    newest = os.path.join(run_dir, "step=000000006")
-    torch.save({"optimizer_state_dict": _Payload(str(marker))}, os.path.join(newest, rel))
-    _replant(newest, rel)
-    with pytest.raises(RunError) as e:
-        _resume(small_data, tmp_path, "r", "trainer.max_steps=8")
-    assert str(e.value).startswith(
+
+    def plant(newest: str, marker: str) -> None:
+        torch.save({"optimizer_state_dict": _Payload(marker)}, os.path.join(newest, rel))
+        _replant(newest, rel)
+
+    _, newest, message = _planted(stopped_run, small_data, tmp_path, plant)
+    assert message.startswith(
         f"checkpoint {newest}: {rel} holds Python objects besides tensors (io.open): "
         "refused to load it"
     )
-    assert not marker.exists()
 
 
 def test_a_payload_planted_in_the_rng_state_is_refused_by_the_worker(
@@ -184,19 +196,17 @@ def test_a_payload_planted_in_the_rng_state_is_refused_by_the_worker(
     """The RNG state is npz: a payload in it is refused where the worker loads it, the
     run ends at once (no retries) with the worker's one line; a payload in the old
     format's rng-rank0.pt is never read."""
-    run_dir = _copy(stopped_run, tmp_path, "r")
-    marker = tmp_path / "payload-ran"
-    newest = os.path.join(run_dir, "step=000000006")
-    torch.save(_Payload(str(marker)), os.path.join(newest, "rng-rank0.pt"))
-    np.savez(os.path.join(newest, "rng-rank0.npz"), torch=np.array([_Payload(str(marker))]))
-    _replant(newest, "rng-rank0.npz")
-    with pytest.raises(RunError) as e:
-        _resume(small_data, tmp_path, "r", "trainer.max_steps=8")
-    assert str(e.value).startswith(
+
+    def plant(newest: str, marker: str) -> None:
+        torch.save(_Payload(marker), os.path.join(newest, "rng-rank0.pt"))
+        np.savez(os.path.join(newest, "rng-rank0.npz"), torch=np.array([_Payload(marker)]))
+        _replant(newest, "rng-rank0.npz")
+
+    run_dir, newest, message = _planted(stopped_run, small_data, tmp_path, plant)
+    assert message.startswith(
         f"checkpoint {newest}: rng-rank0.npz is not plain arrays (Object arrays cannot be "
         "loaded when allow_pickle=False): refused to load it"
     )
-    assert not marker.exists()
     # the run ended at its first worker group: no restart
     assert len([e for e in read_events(run_dir) if e["event"] == "world_size"]) == 1
 

@@ -11,10 +11,10 @@ the same schema without abTEM, for scale tests. See README.md.
 """
 
 import argparse
-import sys
 
 from elastic.data.shards import OutputError, check_split_dir
 from elastic.datasets.cbed import MATERIALS, CBEDError, Settings, generate, synthetic
+from elastic.errors import one_line_errors
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
         max_thickness_nm=a.max_thickness_nm,
         thickness_step_nm=a.thickness_step_nm,
     )
-    try:
+    with one_line_errors(CBEDError, OutputError):
         for split in ("train", "val"):  # before simulating: a file, or foreign shards
             if a.synthetic or a.out:
                 check_split_dir(f"{a.synthetic or a.out}/{split}")
@@ -59,9 +59,6 @@ def main() -> None:
             )
         else:
             p.error("give OUT, or --synthetic OUT")
-    except (CBEDError, OutputError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     print(f"wrote {train} train and {val} val patterns to {out}/train and {out}/val")
 
 

@@ -11,11 +11,11 @@ same with generated images, for scale tests. See README.md.
 """
 
 import argparse
-import sys
 from pathlib import Path
 
 from elastic.data.shards import OutputError, check_split_dir
 from elastic.datasets.images import ImageError, convert, digits_to_folders, synthetic_folders
+from elastic.errors import one_line_errors
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    try:
+    with one_line_errors(ImageError, OutputError):
         target = a.digits or a.synthetic or a.out
         for split in ("train", "val"):  # before any work: a file, or foreign shards
             if target:
@@ -49,9 +49,6 @@ def main() -> None:
         else:
             p.error("give SRC and OUT, or --digits OUT")
         done = convert(src, out, a.val_fraction, a.shards, a.seed)
-    except (ImageError, OutputError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     print(
         f"wrote {done.train_rows} train and {done.val_rows} val images of "
         f"{len(done.classes)} classes to {out}/train and {out}/val"

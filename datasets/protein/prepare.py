@@ -15,9 +15,9 @@ See README.md.
 """
 
 import argparse
-import sys
 
 from elastic.datasets.protein import ProteinError, convert, synthetic
+from elastic.errors import one_line_errors
 
 
 def pairs(values: list[str], what: str, example: str) -> dict[str, str]:
@@ -62,7 +62,7 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--first-sample-id", type=int, default=0)
     a = p.parse_args()
-    try:
+    with one_line_errors(ProteinError):
         if a.adk:
             adk(a.adk)
             return
@@ -80,9 +80,6 @@ def main() -> None:
             a.topology, a.trajectories, a.out, refs, a.cutoff, a.selection, a.distances, rgs,
             a.shards, a.first_sample_id,
         )  # fmt: skip
-    except ProteinError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     print(f"wrote {done.rows} frames of {done.trajectories} trajectories to {a.out}")
 
 

@@ -210,25 +210,17 @@ def _set_aside(folder: str) -> str:
 def _drop_from_snapshot(path: str, snapshot: dict[str, Any], names: set[str]) -> None:
     """Rewrite Ray Train's checkpoint list without ``names`` (its format as of Ray 2.60:
     the newest remaining one becomes the latest)."""
-    keep = [
-        (r, i)
-        for r, i in zip(
-            snapshot["checkpoint_results"], snapshot["checkpoint_report_indices"], strict=True
-        )
-        if r["checkpoint_dir_name"] not in names
-    ]
-    snapshot["checkpoint_results"] = [r for r, _ in keep]
-    snapshot["checkpoint_report_indices"] = [i for _, i in keep]
-    snapshot["latest_checkpoint_result"] = max(keep, key=lambda ri: ri[1])[0] if keep else None
-    pending = [
-        (r, spec)
-        for r, spec in zip(
-            snapshot["pending_training_results"], snapshot["pending_validation_specs"], strict=True
-        )
-        if r["checkpoint_dir_name"] not in names
-    ]
-    snapshot["pending_training_results"] = [r for r, _ in pending]
-    snapshot["pending_validation_specs"] = [s for _, s in pending]
+
+    def without(results_key: str, paired_key: str) -> list[tuple[Any, Any]]:
+        """The (result, paired value) pairs of two parallel lists, minus ``names``."""
+        pairs = zip(snapshot[results_key], snapshot[paired_key], strict=True)
+        kept = [(r, v) for r, v in pairs if r["checkpoint_dir_name"] not in names]
+        snapshot[results_key], snapshot[paired_key] = [r for r, _ in kept], [v for _, v in kept]
+        return kept
+
+    kept = without("checkpoint_results", "checkpoint_report_indices")
+    snapshot["latest_checkpoint_result"] = max(kept, key=lambda ri: ri[1])[0] if kept else None
+    without("pending_training_results", "pending_validation_specs")
     for key in (
         "validated_checkpoint_dir_names",
         "timed_out_validation_checkpoint_dir_names",
