@@ -1,0 +1,74 @@
+"""What the benchmarks share: a training run through ``launch/run.py``, a peer script
+under ``torchrun``, and the small model and data the cluster benchmarks (recovery,
+chaos) train."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from elastic.cluster.localcluster import REPO
+from elastic.observe.metrics import read_records
+
+
+def smoke_config(extra: list[str]):
+    from elastic.config.compose import compose, typed_config
+
+    cfg, name = compose(["+experiment=smoke", *extra])
+    return typed_config(cfg, name)
+
+
+def train(overrides: list[str], steps: int, workdir: str, label: str) -> tuple[list, dict]:
+    """Train ``steps`` steps through launch/run.py (log every 10, no checkpoints, no
+    W&B) under ``workdir``; the run's metrics.jsonl records and its summary.json."""
+    name = f"{label}-{time.time_ns()}"
+    out = Path(workdir) / name
+    cmd = [
+        sys.executable, str(REPO / "launch/run.py"), *overrides, f"trainer.max_steps={steps}",
+        "trainer.log_every_steps=10", "checkpoint.every_steps=0", "logger=none",
+        "trainer.progress=off", f"run.storage_path={workdir}", f"run.name={name}",
+        f"hydra.run.dir={out}/hydra",
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return read_records(str(out)), json.loads((out / "hydra" / "summary.json").read_text())
+
+
+def torchrun_json(world: int, script: str, args: list[str]) -> dict:
+    """Run a peer script under torchrun with ``world`` ranks on this machine (one thread
+    each, as Ray gives a 1-CPU worker); the JSON line its rank 0 prints last."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={world}", str(REPO / "launch/peers" / script), *args,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+
+
+# -- the cluster benchmarks (recovery, chaos): a small model on a multi-raylet cluster --
+
+ELASTIC_MODEL = [  # big enough that a step is real work, small enough for 2 cores
+    "model.input_dim=64",
+    "model.output_dim=4",
+    "model.hidden_dims=[1024,1024]",
+    "data.global_batch_size=64",
+    "trainer.log_every_steps=1",
+    "checkpoint.every_steps=5",
+    "logger=none",
+    "scaling.min_workers=1",
+    "scaling.max_workers=2",
+    "scaling.cpus_per_worker=3",  # = a worker node's CPUs: one training worker per node
+]
+
+
+def elastic_data(workdir: str, seed: int = 1) -> list[str]:
+    from elastic.datasets.synthetic import generate
+
+    root = os.path.join(workdir, "data")
+    if not os.path.isdir(root):
+        generate(f"{root}/train", f"{root}/val", 2048, 256, 8, 64, 4, seed=seed)
+    return [f"data.path={root}/train", f"data.val_path={root}/val"]

@@ -1,0 +1,315 @@
+"""ingest: rows/s delivered into 2 Ray Train workers by elastic's pipeline as training
+reads (read_parquet -> decode in map_batches -> streaming split -> read-ahead, kept in
+the worker after the first epoch when the decoded split fits data.cache_mb -> shuffle
+buffer -> per-step batches with the row-count all-reduce; no model), and streamed every
+epoch (a split larger than the cache), vs a torch DataLoader with 2 worker
+processes reading the same shards with pyarrow and the same decode functions, into one
+process. Per dataset (synthetic arrays, images, protein contact maps, CBED patterns, at
+scale from their synthetic generators), alternated, rounds take turns going first; the
+ratio is of the medians. Then the data-wait share of step time of each dataset's
+experiment (steady state: the log intervals after the first step). Writes
+bench-ingest.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch.utils.data
+
+from elastic.bench.common import train
+
+if TYPE_CHECKING:
+    from elastic.config.schema import DataConfig
+
+HELP = "rows/s into 2 workers vs a torch DataLoader"
+INGEST_RATIO_TARGET = 1.0  # elastic's rows/s over the DataLoader's, at least
+DATA_WAIT_TARGET = 0.02  # share of step time waiting for data, steady state, at most
+INGEST_DATASETS = {
+    # name: (experiment, DataConfig overrides, what the rows are)
+    "synthetic": ("smoke", {}, "float32[256] + target[16]"),
+    "images": ("images_resnet", {"image_size": 32}, "32x32 PNG bytes, decoded + resized"),
+    "protein": ("protein_cvae", {}, "214-residue contact maps, 22,791 bits unpacked"),
+    "cbed": ("cbed_cnn", {}, "float32[64x64] patterns"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--wait-steps", type=int, default=100)
+    p.add_argument("--data-dir", default="data/bench-ingest", help="generated once, reused")
+    p.add_argument("--only", nargs="*", choices=sorted(INGEST_DATASETS), help="some datasets")
+
+
+def _ingest_data(root: Path, names: list[str]) -> dict[str, DataConfig]:
+    """Each dataset at scale from its synthetic generator (same schema as the real one)
+    and its DataConfig, written once under ``root``."""
+    from elastic.config.compose import compose, typed_config
+
+    made = {}
+    for name in names:
+        experiment, extra, _ = INGEST_DATASETS[name]
+        d = root / name
+        if not (d / "train").is_dir():
+            if name == "synthetic":
+                from elastic.datasets.synthetic import generate
+
+                generate(str(d / "train"), None, 65536, 0, 16, 256, 16, seed=0)
+            elif name == "images":
+                from elastic.datasets.images import convert, synthetic_folders
+
+                synthetic_folders(d / "raw", 20000, 10, 32, seed=0)
+                convert(d / "raw", d, val_fraction=0.0, shards=16)
+            elif name == "protein":
+                from elastic.datasets import protein
+
+                protein.synthetic(d / "train", 4000, shards=16)
+            else:
+                from elastic.datasets import cbed
+
+                cbed.synthetic(d, 16000, val_fraction=0.0, shards=16)
+        overrides = [f"+experiment={experiment}", f"data.path={d}/train", "data.val_path=null"]
+        cfg, exp = compose(overrides)
+        data = typed_config(cfg, exp).data
+        data.val_path = None
+        for key, value in extra.items():
+            setattr(data, key, value)
+        made[name] = data
+    return made
+
+
+def _consume(config: dict) -> None:
+    """A Ray Train worker that only takes its rows, the way the training loop does
+    (read-ahead, the split cached in memory after the first epoch when it fits
+    data.cache_mb, or streamed every epoch when ``cache`` is false; shuffle buffer; cut
+    into per-step batches with the lock-step row-count all-reduce every step does)."""
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    from elastic.data.stream import EpochPrefetcher, StepStream, shuffled
+
+    data, epochs, rows_per_step = config["data"], config["epochs"], config["rows_per_step"]
+    rank = ray.train.get_context().get_world_rank()
+    prefetcher = EpochPrefetcher(
+        ray.train.get_dataset_shard("train"),
+        int(data.prefetch_mb * 2**20),
+        epochs=epochs,
+        cache=config["cache"],
+        block_order=(data.seed, rank) if data.shuffle_files else None,
+    )
+
+    def count(rows: int) -> int:
+        t = torch.tensor([rows], dtype=torch.int64)
+        dist.all_reduce(t)
+        return int(t[0])
+
+    rows, start = 0, None
+    for epoch in range(epochs):
+        blocks = prefetcher.epoch(epoch)
+        blocks = shuffled(blocks, data.shuffle_buffer_rows, data.seed, epoch, rank)
+        for batch in StepStream(blocks, rows_per_step, count):
+            if start is None:  # from the first rows: not Ray Train's start-up
+                start = time.perf_counter()
+            else:
+                rows += batch.rows
+    dist.barrier()  # the slower worker ends the measurement
+    elapsed = time.perf_counter() - (start or time.perf_counter())
+    prefetcher.close()
+    total = count(rows)
+    if rank == 0:  # Ray Train 2.60 keeps only metrics reported with a checkpoint
+        Path(config["out"]).write_text(json.dumps({"rows": total, "seconds": elapsed}))
+
+
+def _elastic_ingest(data, epochs: int, workdir: str, cache: bool) -> float:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from elastic.cluster.connect import WORKER_ENV
+    from elastic.data.pipeline import build_datasets, data_config
+    from elastic.data.shards import check_dataset
+
+    splits = check_dataset(data)
+    out = Path(workdir) / f"ingest-{time.time_ns()}.json"
+    ray.init(
+        address="local",
+        num_cpus=4,
+        object_store_memory=512 * 2**20,
+        include_dashboard=False,
+        runtime_env={"env_vars": dict(WORKER_ENV)},
+        log_to_driver=False,
+    )
+    try:
+        import ray.data
+
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        trainer = TorchTrainer(
+            _consume,
+            train_loop_config={
+                "data": data,
+                "epochs": epochs,
+                "rows_per_step": data.global_batch_size // 2,
+                "cache": cache,
+                "out": str(out),
+            },
+            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(name=f"ingest-{time.time_ns()}", storage_path=workdir),
+            datasets=build_datasets(data, splits, 2),
+            # streamed: each epoch's file order, as the driver sets it (epoch 0 here)
+            dataset_config=data_config(None if cache else lambda: 0),
+            torch_config=TorchConfig(backend="gloo"),
+        )
+        trainer.fit()
+    finally:
+        ray.shutdown()
+    m = json.loads(out.read_text())
+    return m["rows"] / m["seconds"]
+
+
+class _ShardBatches(torch.utils.data.IterableDataset):
+    """Each DataLoader worker reads its share of the files with
+    pyarrow and yields decoded batches (the same decode functions as elastic's)."""
+
+    def __init__(self, data, batch_rows: int) -> None:
+        from elastic.data.shards import list_shards
+
+        self.data, self.batch_rows, self.files = data, batch_rows, list_shards(data.path)
+
+    def __iter__(self):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from elastic.data.pipeline import decoder
+
+        d = self.data
+        info = torch.utils.data.get_worker_info()
+        files = self.files[info.id :: info.num_workers] if info else self.files
+        decode, kwargs = decoder(d, self.files[0])
+        columns = ["sample_id", d.input_column, d.target_column]
+        for f in files:
+            for rb in pq.ParquetFile(f).iter_batches(self.batch_rows, columns=columns):
+                yield decode(pa.Table.from_batches([rb]), **kwargs)
+
+
+def _as_is(batch):
+    return batch
+
+
+def _dataloader_ingest(data, epochs: int) -> float:
+    loader = torch.utils.data.DataLoader(
+        _ShardBatches(data, data.global_batch_size),
+        batch_size=None,
+        collate_fn=_as_is,  # numpy batches as they are, like elastic's
+        num_workers=2,
+        prefetch_factor=4,
+        persistent_workers=True,
+    )
+    rows, start = 0, None
+    for _ in range(epochs):
+        for batch in loader:
+            if start is None:
+                start = time.perf_counter()
+            else:
+                rows += len(batch["sample_id"])
+    return rows / (time.perf_counter() - (start or time.perf_counter()))
+
+
+def _steady_data_wait(experiment: str, data, steps: int, workdir: str) -> dict:
+    """Train the dataset's experiment for ``steps`` on the bench data; the data-wait
+    share of step time over the log intervals after the first step (the first holds the
+    pipeline's start) and over the whole run."""
+    overrides = [f"+experiment={experiment}", f"data.path={data.path}", "data.val_path=null"]
+    if data.format == "image":
+        overrides.append(f"data.image_size={data.image_size}")
+    records, summary = train(overrides, steps, workdir, "ingest-wait")
+    recs = [r for r in records if "train/data_wait_share" in r]
+    waited = total = 0.0
+    for a, b in zip(recs[:-1], recs[1:], strict=True):
+        if a["step"] >= 1:
+            dt = b["time"] - a["time"]
+            waited += b["train/data_wait_share"] * dt
+            total += dt
+    return {
+        "steady": waited / total if total else None,
+        "whole_run": summary["time_breakdown"]["data_wait"],
+        "samples_per_s": summary["samples_per_s"],
+    }
+
+
+def measure(args: argparse.Namespace) -> dict:
+    root = Path(args.data_dir)
+    datasets = _ingest_data(root, args.only or list(INGEST_DATASETS))
+    workdir = tempfile.mkdtemp(prefix="elastic-bench-")
+    report: dict = {
+        "datasets": {},
+        "target_ratio": INGEST_RATIO_TARGET,
+        "target_data_wait": DATA_WAIT_TARGET,
+    }
+    try:
+        for name, data in datasets.items():
+            from elastic.data.pipeline import fits_cache
+            from elastic.data.shards import check_dataset
+
+            # as training reads it: cached after the first epoch when the split, decoded,
+            # fits data.cache_mb at 2 workers; else streamed every epoch
+            cached = fits_cache(data, check_dataset(data)["train"], 2)
+            rounds = []
+            for r in range(args.rounds):
+                result = {}
+                order = ["elastic", "elastic_streamed", "dataloader"]
+                for who in order if r % 2 == 0 else order[::-1]:
+                    if who == "dataloader":
+                        result[who] = _dataloader_ingest(data, args.epochs)
+                    elif who == "elastic_streamed" and not cached:
+                        continue  # the same run as "elastic"
+                    else:
+                        cache = cached and who == "elastic"
+                        result[who] = _elastic_ingest(data, args.epochs, workdir, cache)
+                result.setdefault("elastic_streamed", result["elastic"])
+                rounds.append(result)
+                print(
+                    f"{name} round {r + 1}: elastic {result['elastic']:,.0f} rows/s "
+                    f"({'cached after the first epoch' if cached else 'streamed'}; streamed "
+                    f"every epoch {result['elastic_streamed']:,.0f}), DataLoader "
+                    f"{result['dataloader']:,.0f} rows/s",
+                    flush=True,
+                )
+            el = statistics.median(x["elastic"] for x in rounds)
+            streamed = statistics.median(x["elastic_streamed"] for x in rounds)
+            dl = statistics.median(x["dataloader"] for x in rounds)
+            experiment = INGEST_DATASETS[name][0]
+            wait = _steady_data_wait(experiment, data, args.wait_steps, workdir)
+            report["datasets"][name] = {
+                "rows": INGEST_DATASETS[name][2],
+                "cached": cached,
+                "elastic_rows_per_s": el,
+                "elastic_streamed_rows_per_s": streamed,
+                "dataloader_rows_per_s": dl,
+                "ratio": el / dl,
+                "ratio_streamed": streamed / dl,
+                "rounds": rounds,
+                "experiment": experiment,
+                "data_wait": wait,
+            }
+            print(
+                f"{name}: elastic {el:,.0f} rows/s vs DataLoader {dl:,.0f} rows/s: ratio "
+                f"{el / dl:.2f} (target >= {INGEST_RATIO_TARGET}); streamed every epoch "
+                f"{streamed:,.0f} rows/s, ratio {streamed / dl:.2f}; {experiment} data wait "
+                f"{100 * (wait['steady'] or 0):.1f}% of step time in steady state (target <= "
+                f"{100 * DATA_WAIT_TARGET:.0f}%), {100 * wait['whole_run']:.1f}% over the whole "
+                "run",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report["setup"] = {"epochs": args.epochs, "rounds": args.rounds, "cpus": os.cpu_count()}
+    return report

@@ -1,0 +1,172 @@
+"""The ``bench all`` run and its table: every benchmark in turn, each figure beside its
+peer and its target (the targets are the benchmark modules' own constants) in one
+Markdown table (bench-all.md) and bench-all.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from types import ModuleType
+
+from elastic.bench import chaos, gpu, ingest, memory, overhead, recovery
+
+# each benchmark's module: HELP, add_arguments(parser), measure(args) -> its report;
+# in the order the CLI lists them
+BENCHES: dict[str, ModuleType] = {
+    "overhead": overhead,
+    "recovery": recovery,
+    "chaos": chaos,
+    "ingest": ingest,
+    "memory": memory,
+    "gpu": gpu,
+}
+ALL_ORDER = ("overhead", "ingest", "recovery", "chaos", "memory")
+QUICK = {  # --quick: fewer rounds and steps, same figures (noisier)
+    "overhead": ["--rounds", "1", "--steps", "400"],
+    "ingest": ["--rounds", "1", "--wait-steps", "60"],
+    "recovery": ["--rounds", "1"],
+    "chaos": ["--epochs", "10"],
+    "memory": ["--precision", "bf16"],
+}
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("met" if ok else "NOT met")
+
+
+def _table_rows(results: dict) -> list[tuple[str, str, str, str, str, str]]:
+    """(figure, elastic, peer, ratio, target, verdict) for every measured figure."""
+    rows: list[tuple[str, str, str, str, str, str]] = []
+    if o := results.get("overhead"):
+        rows.append((
+            "step time, steady state (smoke, 2 workers)", f"{o['elastic_step_s'] * 1e3:.1f} ms",
+            f"{o['torchrun_step_s'] * 1e3:.1f} ms (torchrun DDP)", f"{o['ratio']:.2f}",
+            f"<= {overhead.STEP_RATIO_TARGET}",
+            _verdict(o["ratio"] <= overhead.STEP_RATIO_TARGET),
+        ))  # fmt: skip
+        rows.append((
+            "step time, first epoch (Parquet decoded on the same cores)",
+            f"{o['elastic_first_epoch_step_s'] * 1e3:.1f} ms",
+            f"{o['torchrun_step_s'] * 1e3:.1f} ms (torchrun DDP)",
+            f"{o['ratio_first_epoch']:.2f}", "", "n/a",
+        ))  # fmt: skip
+    for name, d in (results.get("ingest") or {}).get("datasets", {}).items():
+        how = "cached after epoch 1" if d["cached"] else "streamed"
+        rows.append((
+            f"ingest {name}, rows/s into 2 workers ({how})", f"{d['elastic_rows_per_s']:,.0f}",
+            f"{d['dataloader_rows_per_s']:,.0f} (DataLoader, 2 procs)", f"{d['ratio']:.2f}",
+            f">= {ingest.INGEST_RATIO_TARGET}", _verdict(d["ratio"] >= ingest.INGEST_RATIO_TARGET),
+        ))  # fmt: skip
+        if d["cached"]:
+            rows.append((
+                f"ingest {name}, streamed every epoch (larger than data.cache_mb)",
+                f"{d['elastic_streamed_rows_per_s']:,.0f}",
+                f"{d['dataloader_rows_per_s']:,.0f} (DataLoader, 2 procs)",
+                f"{d['ratio_streamed']:.2f}", f">= {ingest.INGEST_RATIO_TARGET}",
+                _verdict(d["ratio_streamed"] >= ingest.INGEST_RATIO_TARGET),
+            ))  # fmt: skip
+        steady = d["data_wait"]["steady"]
+        rows.append((
+            f"data wait, {d['experiment']} (steady state)",
+            "n/a" if steady is None else f"{100 * steady:.1f}%", "", "",
+            f"<= {100 * ingest.DATA_WAIT_TARGET:.0f}%",
+            _verdict(None if steady is None else steady <= ingest.DATA_WAIT_TARGET),
+        ))  # fmt: skip
+    if r := results.get("recovery"):
+        for key, label, target in (
+            ("shrink_s", "node killed -> first step at 1 worker", recovery.SHRINK_TARGET_S),
+            ("grow_s", "node added -> first step at 2 workers", recovery.GROW_TARGET_S),
+            ("worker_kill_s", "worker SIGKILL -> next step", None),
+        ):
+            rows.append((
+                label, f"{r[key]:.1f} s", f"{r[key + '_ray_defaults']:.1f} s (Ray Train defaults)",
+                f"{r[key + '_ratio']:.2f}", "" if target is None else f"<= {target:.0f} s",
+                _verdict(None if target is None else r[key] <= target),
+            ))  # fmt: skip
+        rows.append((
+            f"checkpoint share of wall time (every {r['checkpoint_every_steps']} steps)",
+            f"{100 * r['checkpoint_overhead']:.2f}%", "", "",
+            f"<= {100 * recovery.CHECKPOINT_SHARE_TARGET:.0f}%",
+            _verdict(r["checkpoint_overhead"] <= recovery.CHECKPOINT_SHARE_TARGET),
+        ))  # fmt: skip
+    if c := results.get("chaos"):
+        clean = c["runs"]["clean"]["val_loss"]
+        rows.append((
+            f"val loss after {sum(c['actions'].values())} kills/removals/additions",
+            f"{c['runs']['chaos']['val_loss']:.4f}", f"{clean:.4f} (the same run, undisturbed)",
+            f"{1 + c['val_loss_gap']:.3f}", f"within {100 * c['target_loss_gap']:.0f}%, "
+            "every sample once",
+            _verdict(c["finished"] and c["samples_exactly_once"]
+                     and c["val_loss_gap"] <= c["target_loss_gap"]),
+        ))  # fmt: skip
+    if m := results.get("memory"):
+        by: dict[tuple[str, int], list[dict]] = {}
+        for row in m["rows"]:
+            by.setdefault((row["precision"], row["stage"]), []).append(row)
+        for (precision, stage), cells in by.items():
+            worlds = "/".join(str(c["world"]) for c in cells)
+            worst = max(cells, key=lambda c: abs(c["ratio"] - 1))
+            to2 = [
+                f"{c['ratio_to_stage2_formula']:.2f}"
+                for c in cells
+                if "ratio_to_stage2_formula" in c
+            ]
+            notes = f"gradients partitioned too: {'/'.join(to2)}x the stage-2 formula"
+            notes = notes if to2 else ""
+            verdict = _verdict(all(c["within_tolerance"] for c in cells))
+            outside = [c for c in cells if not c["within_tolerance"]]
+            if outside and all(c["ratio"] < 1 and "ratio_to_stage2_formula" in c for c in outside):
+                verdict = "below the formula"  # stage 1: DeepSpeed partitions more
+            rows.append((
+                f"model-state bytes/param, ZeRO-{stage} {precision}, N={worlds}",
+                " / ".join(f"{c['measured_bytes_per_param']:.2f}" for c in cells),
+                " / ".join(f"{c['formula_bytes_per_param']:.2f}" for c in cells)
+                + " (ZeRO formula)",
+                f"{worst['ratio']:.2f}", f"within {100 * m['tolerance']:.0f}%",
+                verdict + (f" ({notes})" if notes else ""),
+            ))  # fmt: skip
+    return rows
+
+
+def markdown_table(results: dict) -> str:
+    lines = [
+        "| figure | elastic | peer | ratio | target | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in _table_rows(results)]
+    return "\n".join(lines) + "\n"
+
+
+def run_all(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """Every benchmark in turn with its own defaults (``--quick``: fewer rounds); each
+    writes its own bench-NAME.json as well; one failing does not stop the others."""
+    results: dict = {}
+    errors: dict[str, str] = {}
+    for name in ALL_ORDER:
+        if name in args.skip:
+            continue
+        sub_args = parser.parse_args([name, *(QUICK[name] if args.quick else [])])
+        print(f"== {name}", flush=True)
+        start = time.perf_counter()
+        try:
+            results[name] = BENCHES[name].measure(sub_args)
+        except Exception as e:  # report it and go on: the table shows what was measured
+            errors[name] = f"{type(e).__name__}: {e}"
+            print(f"{name} failed: {errors[name]}", flush=True)
+            continue
+        results[name]["bench_s"] = time.perf_counter() - start
+        Path(f"bench-{name}.json").write_text(json.dumps(results[name], indent=2) + "\n")
+    table = markdown_table(results)
+    Path("bench-all.md").write_text(table)
+    print(table)
+    return {
+        "results": results,
+        "errors": errors,
+        "table": table,
+        "quick": args.quick,
+        "date": time.strftime("%Y-%m-%d"),
+        "cpus": os.cpu_count(),
+    }
