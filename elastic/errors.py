@@ -40,9 +40,15 @@ RUN_ERRORS = ("DataError", "CheckpointError", "DivergedError", "RunError")
 
 
 def run_error(exc: BaseException) -> str | None:
-    """The message of a :class:`RunError` anywhere in ``exc``'s chain, else None. Ray wraps
-    a worker's (or a Ray Data task's) exception on its way, and by then the error may only
-    survive as the last line of the traceback text it carries."""
+    """The message of a :class:`RunError` anywhere in ``exc``'s chain, else None."""
+    found = find_run_error(exc)
+    return found[1] if found else None
+
+
+def find_run_error(exc: BaseException) -> tuple[str, str] | None:
+    """(class name, message) of a :class:`RunError` anywhere in ``exc``'s chain, else None.
+    Ray wraps a worker's (or a Ray Data task's) exception on its way, and by then the
+    error may only survive as the last line of the traceback text it carries."""
     seen: set[int] = set()
     todo: list[BaseException | None] = [exc]
     while todo:
@@ -51,12 +57,12 @@ def run_error(exc: BaseException) -> str | None:
             continue
         seen.add(id(e))
         if isinstance(e, RunError):
-            return str(e).strip().splitlines()[-1]
+            return type(e).__name__, str(e).strip().splitlines()[-1]
         for line in reversed(str(e).strip().splitlines()):
             for name in RUN_ERRORS:
                 _, sep, message = line.partition(f"{name}: ")
                 if sep:
-                    return message.strip()
+                    return name, message.strip()
         todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
     return None
 

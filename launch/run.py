@@ -26,7 +26,7 @@ with exit_on_stop():
 
     from elastic.config.compose import CONF_DIR, fail, plain, preflight, quote_target, typed_config
     from elastic.config.schema import register_schemas
-    from elastic.errors import ConfigError, RunError
+    from elastic.errors import ConfigError, DataError, RunError
 
     try:
         register_schemas()  # with the plugins' models: a plugin that fails to import is said here
@@ -53,7 +53,9 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as e:  # found once Ray is up: what the cluster's nodes offer
         fail(str(e))
     except RunError as e:
-        fail(f"{e} (the last complete checkpoint is kept)")
+        # a bad row found on the driver (a worker's message names the dataset itself)
+        where = f"data.path={typed.data.path}; " if isinstance(e, DataError) else ""
+        fail(f"{e} ({where}the last complete checkpoint is kept)")
     path = write_summary(summary, typed.run.output_dir)
     print(
         f"[elastic] {summary['status']}: {summary.get('steps')} steps, "

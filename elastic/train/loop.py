@@ -27,7 +27,7 @@ from elastic.config.schema import TrainConfig
 from elastic.data.formats import data_format
 from elastic.data.shards import damaged_shard
 from elastic.data.stream import EpochPrefetcher, StepBatch, StepStream, shard_blocks, shuffled
-from elastic.errors import run_error
+from elastic.errors import find_run_error, run_error
 from elastic.models.losses import MetricSums, per_sample_loss
 from elastic.observe.summary import WorkerSummary
 from elastic.observe.tracking import NullTracker, make_tracker
@@ -140,7 +140,10 @@ def train_loop(config: dict[str, Any]) -> None:
         # a preempted run checkpoints and goes: validation would eat into the grace period
         val = {} if trainer.stop_reason == "preempted" else trainer.validate(val_shard)
     except Exception as e:
-        message = run_error(e) or damaged_shard(e, [cfg.data.path, cfg.data.val_path])
+        found = find_run_error(e)
+        message = found[1] if found else damaged_shard(e, [cfg.data.path, cfg.data.val_path])
+        if found and found[0] == "DataError":  # a bad row: say which dataset it is in
+            message = f"{message} (data.path={cfg.data.path})"
         if message is not None and control is not None:
             # a bad row (or a diverged step) fails again on every retry: the driver ends
             # the run instead
