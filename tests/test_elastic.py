@@ -166,7 +166,7 @@ def test_worker_killed_mid_step_and_mid_checkpoint(cluster, data, tmp_path):
 
     def saving_worker():
         workers = set(c.train_worker_pids())
-        return next((pid for pid in saving_pids() if pid in workers), None)
+        return next((pid for pid in saving_pids(run.dir) if pid in workers), None)
 
     run.wait_for("a checkpoint after the restart", lambda: run.last_step() > resumed_at)
     pid = run.wait_for("a checkpoint save", saving_worker, poll=0.002)

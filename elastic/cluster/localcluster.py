@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -247,11 +246,11 @@ class Run(RunFiles):
         return Path(self.log.name).read_text()
 
 
-def saving_pids() -> dict[int, str]:
-    """Processes writing a checkpoint right now (elastic.checkpoint names its temp dir
-    ``elastic-ckpt-r<rank>-p<pid>-*``)."""
+def saving_pids(run_dir: Path) -> dict[int, str]:
+    """Processes writing a checkpoint of the run in ``run_dir`` right now (each rank
+    stages its part in ``<run>/.staging/ckpt-r<rank>-p<pid>-*``, elastic.checkpoint)."""
     out = {}
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), "elastic-ckpt-r*-p*-*")):
+    for path in glob.glob(os.path.join(run_dir, ".staging", "ckpt-r*-p*-*")):
         pid = int(os.path.basename(path).split("-p", 1)[1].split("-", 1)[0])
         out[pid] = path
     return out
