@@ -3,7 +3,7 @@
 Real DeepSpeed engines over a real gloo process group (no Ray: the engine and checkpoint
 code are what is under test). A phase either trains a fresh model for a few steps and
 writes a checkpoint, or restores a checkpoint written at another world size through
-``elastic.checkpoint`` (universal conversion when the world size changed). Either way it
+``elastic.train.checkpoint`` (universal conversion when the world size changed). Either way it
 then dumps, from rank 0, the consolidated fp32 weights and Adam moments, and the losses of
 two more training steps on fixed global batches.
 """

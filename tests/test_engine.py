@@ -13,7 +13,7 @@ def test_the_cpu_shared_memory_op_is_never_built():
     forever. The skip must reach the module TorchBackend calls it from."""
     code = (
         "import sys\n"
-        "from elastic.engine import _skip_shm_comm_op, warm_imports\n"
+        "from elastic.train.engine import _skip_shm_comm_op, warm_imports\n"
         "warm_imports().join()\n"
         "_skip_shm_comm_op()\n"
         "m = sys.modules['deepspeed.comm.torch']\n"

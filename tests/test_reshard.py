@@ -1,5 +1,5 @@
 """Resharding resume: a ZeRO 1/2/3 checkpoint written at world size N resumes at M with
-model and optimizer state, through elastic.checkpoint (real DeepSpeed engines, real gloo
+model and optimizer state, through elastic.train.checkpoint (real DeepSpeed engines, real gloo
 process groups in spawned processes)."""
 
 from __future__ import annotations

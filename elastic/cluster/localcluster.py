@@ -248,7 +248,7 @@ class Run(RunFiles):
 
 def saving_pids(run_dir: Path) -> dict[int, str]:
     """Processes writing a checkpoint of the run in ``run_dir`` right now (each rank
-    stages its part in ``<run>/.staging/ckpt-r<rank>-p<pid>-*``, elastic.checkpoint)."""
+    stages its part in ``<run>/.staging/ckpt-r<rank>-p<pid>-*``, elastic.train.checkpoint)."""
     out = {}
     for path in glob.glob(os.path.join(run_dir, ".staging", "ckpt-r*-p*-*")):
         pid = int(os.path.basename(path).split("-p", 1)[1].split("-", 1)[0])

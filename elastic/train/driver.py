@@ -63,7 +63,7 @@ def _interruptible(trainer_cls: type) -> type:
     handler and the process then exits 1 without a word. Ours asks the controller to
     abort without waiting and raises KeyboardInterrupt: Ray is shut down on the way out
     (only registered, complete checkpoints exist) and the entry point says so, exit 130.
-    A run aborted on a second stop signal raises :class:`~elastic.cluster.Stopped`
+    A run aborted on a second stop signal raises :class:`~elastic.cluster.connect.Stopped`
     instead (exit 75: a batch script requeues it)."""
 
     class Trainer(trainer_cls):

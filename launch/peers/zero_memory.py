@@ -3,7 +3,7 @@ DeepSpeed engine at one ZeRO stage, precision and world size.
 
     torchrun --standalone --nproc-per-node N launch/peers/zero_memory.py --stage S ...
 
-The engine is elastic's own (``elastic.engine.build_engine``, gloo, CPU). After three
+The engine is elastic's own (``elastic.train.engine.build_engine``, gloo, CPU). After three
 optimizer steps and one more backward pass (gradients and optimizer moments both alive:
 the peak of the model states), every live tensor storage in the process is counted once
 and put under what holds it: the module's parameters and gradients, or an attribute of
