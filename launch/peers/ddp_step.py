@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from elastic.data.pipeline import column_to_numpy
+from elastic.data.formats import column_to_numpy
 from elastic.data.shards import list_shards
 from elastic.models.mlp import MLPConfig
 
