@@ -49,13 +49,7 @@ def find_run_error(exc: BaseException) -> tuple[str, str] | None:
     """(class name, message) of a :class:`RunError` anywhere in ``exc``'s chain, else None.
     Ray wraps a worker's (or a Ray Data task's) exception on its way, and by then the
     error may only survive as the last line of the traceback text it carries."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in exception_chain(exc):
         if isinstance(e, RunError):
             return type(e).__name__, str(e).strip().splitlines()[-1]
         for line in reversed(str(e).strip().splitlines()):
@@ -63,8 +57,21 @@ def find_run_error(exc: BaseException) -> tuple[str, str] | None:
                 _, sep, message = line.partition(f"{name}: ")
                 if sep:
                     return name, message.strip()
-        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
     return None
+
+
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and every exception behind it (``__cause__``, ``__context__``, and the
+    ``cause`` Ray's wrappers carry), each once."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
 
 
 EXIT_USER_ERROR = 2

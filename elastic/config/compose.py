@@ -19,10 +19,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from elastic.config.schema import TrainConfig, register_schemas
 from elastic.config.validate import resolve_paths, to_typed
-from elastic.errors import ConfigError
+from elastic.errors import EXIT_USER_ERROR, ConfigError
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-EXIT_CONFIG_ERROR = 2
 
 
 def _one_line(text: str) -> str:
@@ -205,7 +204,7 @@ def check_generated_path(cfg: TrainConfig, overrides: list[str]) -> None:
 
 def fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(EXIT_CONFIG_ERROR)
+    raise SystemExit(EXIT_USER_ERROR)
 
 
 def quote_target(args: list[str]) -> list[str]:

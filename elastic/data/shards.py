@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from elastic.config.schema import DataConfig
-from elastic.errors import ConfigError
+from elastic.errors import ConfigError, exception_chain
 
 ID_COLUMN = "sample_id"
 
@@ -48,7 +48,8 @@ def locate_samples(path: str, ids: np.ndarray) -> dict[int, str]:
     wanted = {int(i) for i in ids}
     found: dict[int, str] = {}
     for file in list_shards(path):
-        meta = pq.ParquetFile(file).metadata
+        shard = pq.ParquetFile(file)
+        meta = shard.metadata
         col = meta.schema.to_arrow_schema().get_field_index(ID_COLUMN)
         for g in range(meta.num_row_groups):
             stats = meta.row_group(g).column(col).statistics if col >= 0 else None
@@ -58,7 +59,7 @@ def locate_samples(path: str, ids: np.ndarray) -> dict[int, str]:
                 and not any(stats.min <= i <= stats.max for i in wanted)
             ):
                 continue
-            ids_here = pq.ParquetFile(file).read_row_group(g, columns=[ID_COLUMN])[ID_COLUMN]
+            ids_here = shard.read_row_group(g, columns=[ID_COLUMN])[ID_COLUMN]
             for i in set(ids_here.to_pylist()) & wanted:
                 found[i] = os.path.basename(file)
         if len(found) == len(wanted):
@@ -72,14 +73,7 @@ def damaged_shard(exc: BaseException, dirs: list[str | None]) -> str | None:
     error (gone on a re-read) is still retried like any other failure. A page that does
     not decode fails the same way on every retry: Ray Data retried it, then Ray Train
     restarted the worker group on it 11 times without naming the file."""
-    chain: list[BaseException] = []
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is not None and all(e is not c for c in chain):
-            chain.append(e)
-            todo += [e.__cause__, e.__context__]
-    text = "\n".join(str(e) for e in chain)
+    text = "\n".join(str(e) for e in exception_chain(exc))
     if "parquet" not in text.lower() and "arrow" not in text.lower():
         return None
     named = re.findall(r"Failed to read fragment (\S+?\.parquet)", text)
