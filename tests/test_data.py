@@ -94,7 +94,7 @@ def _epochs_as_read(train_dir, shuffle_files: bool, first_epoch: int, epochs: in
     from elastic.data.shards import check_dataset
 
     cfg = DataConfig(path=str(train_dir), seed=5, shuffle_files=shuffle_files)
-    datasets = build_datasets(cfg, check_dataset(cfg), max_workers=2)
+    datasets = build_datasets(cfg, check_dataset(cfg)["train"], max_workers=2)
     splits = data_config(lambda: first_epoch).configure(datasets, 2, None, None)
     seen = []
     for _ in range(epochs):
@@ -159,3 +159,37 @@ def test_the_cache_decision_counts_decoded_bytes(tmp_path):
     assert not fits_cache(data, split, 2)
     data.cache_mb = decoded / 2**20 / 2 * 1.1
     assert fits_cache(data, split, 2)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 7])
+def test_each_validation_row_is_read_by_exactly_one_worker(tmp_path, world):
+    """The workers' shares of the validation split (each reads its own, no Ray Data)
+    together hold every row of the split once, decoded as the train split is, and every
+    worker has a share where there are row groups enough."""
+    import pyarrow.parquet as pq
+
+    from elastic.config.schema import DataConfig
+    from elastic.data.shards import check_dataset
+    from elastic.data.stream import val_blocks
+    from elastic.datasets.synthetic import generate
+
+    generate(str(tmp_path / "train"), str(tmp_path / "val"), 512, 1100, 4, 8, 3, seed=1)
+    for path in (tmp_path / "val").glob("*.parquet"):  # several row groups per file
+        pq.write_table(pq.read_table(path), path, row_group_size=100)
+    cfg = DataConfig(path=str(tmp_path / "train"), val_path=str(tmp_path / "val"))
+    files = check_dataset(cfg)["val"].files
+    assert len(files) == 4
+    table = pq.read_table(tmp_path / "val")
+    expected = dict(zip(table["sample_id"].to_pylist(), table["y"].to_pylist(), strict=True))
+    got: dict[int, list] = {}
+    for rank in range(world):
+        rows = 0
+        for block in val_blocks(cfg, files, rank, world):
+            assert block["x"].shape == (len(block["sample_id"]), 8)
+            for i, y in zip(block["sample_id"].tolist(), block["y"].tolist(), strict=True):
+                assert i not in got, f"row {i} read twice"
+                got[i] = y
+            rows += len(block["sample_id"])
+        assert rows > 0, f"rank {rank} of {world} read nothing"
+    assert len(expected) == 1100 and got.keys() == expected.keys()
+    assert all(np.allclose(got[i], expected[i]) for i in expected)

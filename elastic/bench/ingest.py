@@ -163,7 +163,7 @@ def _elastic_ingest(data, epochs: int, workdir: str, cache: bool) -> float:
             },
             scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
             run_config=RunConfig(name=f"ingest-{time.time_ns()}", storage_path=workdir),
-            datasets=build_datasets(data, splits, 2),
+            datasets=build_datasets(data, splits["train"], 2),
             # streamed: each epoch's file order, as the driver sets it (epoch 0 here)
             dataset_config=data_config(None if cache else lambda: 0),
             torch_config=TorchConfig(backend="gloo"),

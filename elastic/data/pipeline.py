@@ -52,34 +52,32 @@ def decoder(cfg: DataConfig, shard: str) -> tuple[Any, dict[str, Any]]:
     return decode, {"input_column": cfg.input_column, "target_column": cfg.target_column, **kwargs}
 
 
-def build_datasets(cfg: DataConfig, splits: dict[str, Split], max_workers: int) -> dict[str, Any]:
-    """Lazy Ray datasets for the splits :func:`check_dataset` returned (train, maybe val)."""
+def build_datasets(cfg: DataConfig, train: Split, max_workers: int) -> dict[str, Any]:
+    """The lazy Ray dataset of the train split, as Ray Train's ``datasets``. The
+    validation split is not one: each worker reads its share itself
+    (:func:`elastic.data.stream.val_blocks`)."""
     import ray.data
     from ray.data import FileShuffleConfig
 
-    def load(split: Split, shuffle_files: bool) -> ray.data.Dataset:
-        # Ray 2.60's new Parquet reader spends 2-3 s in a ListFiles task at the start of
-        # every epoch, even for files listed explicitly; the previous reader starts in
-        # ~0.15 s (measured here). We already list and check the shards ourselves.
-        ctx = ray.data.DataContext.get_current()
-        use_v2, ctx.use_datasource_v2 = ctx.use_datasource_v2, False
-        columns = read_columns(cfg, pq.read_schema(split.files[0]))
-        # train, data.shuffle_files: a file order fixed by (data.seed, Ray Data's
-        # execution index), which data_config() sets to the epoch an execution reads
-        shuffle = FileShuffleConfig(seed=cfg.seed) if shuffle_files else None
-        try:
-            ds = ray.data.read_parquet(split.files, columns=columns, shuffle=shuffle)
-        finally:
-            ctx.use_datasource_v2 = use_v2
-        ds.context.target_max_block_size = block_bytes(split.bytes, cfg.block_size_mb, max_workers)
-        decode, kwargs = decoder(cfg, split.files[0])
-        return ds.map_batches(
-            decode, batch_format="pyarrow", zero_copy_batch=True, fn_kwargs=kwargs
-        )
-
-    return {
-        name: load(split, cfg.shuffle_files and name == "train") for name, split in splits.items()
-    }
+    # Ray 2.60's new Parquet reader spends 2-3 s in a ListFiles task at the start of
+    # every epoch, even for files listed explicitly; the previous reader starts in
+    # ~0.15 s (measured here). We already list and check the shards ourselves.
+    ctx = ray.data.DataContext.get_current()
+    use_v2, ctx.use_datasource_v2 = ctx.use_datasource_v2, False
+    columns = read_columns(cfg, pq.read_schema(train.files[0]))
+    # data.shuffle_files: a file order fixed by (data.seed, Ray Data's execution index),
+    # which data_config() sets to the epoch an execution reads
+    shuffle = FileShuffleConfig(seed=cfg.seed) if cfg.shuffle_files else None
+    try:
+        ds = ray.data.read_parquet(train.files, columns=columns, shuffle=shuffle)
+    finally:
+        ctx.use_datasource_v2 = use_v2
+    ds.context.target_max_block_size = block_bytes(train.bytes, cfg.block_size_mb, max_workers)
+    decode, kwargs = decoder(cfg, train.files[0])
+    train_ds = ds.map_batches(
+        decode, batch_format="pyarrow", zero_copy_batch=True, fn_kwargs=kwargs
+    )
+    return {"train": train_ds}
 
 
 def data_config(first_epoch: Any = None) -> Any:
@@ -101,7 +99,7 @@ def data_config(first_epoch: Any = None) -> Any:
         def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
             output: list[dict[str, Any]] = [{} for _ in range(world_size)]
             for name, ds in datasets.items():
-                ds = ds.copy(ds, _deep_copy=True)  # its own context: train and val differ
+                ds = ds.copy(ds, _deep_copy=True)  # its own context
                 ds.context.execution_options = self._resolve_execution_options(name)
                 if name == "train" and first_epoch is not None:
                     # FileShuffleConfig seeds each execution by (seed, execution index)

@@ -3,7 +3,8 @@
 :class:`EpochPrefetcher` reads ahead (and caches a split that fits), :func:`shuffled`
 mixes rows per (seed, epoch, rank), and :class:`StepStream` cuts per-step batches in lock
 step with the other workers, so workers whose share of the epoch runs out early still
-take part in every collective.
+take part in every collective. :func:`val_blocks` reads a worker's share of the
+validation split itself, with no Ray Data pipeline.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from elastic.config.schema import DataConfig
 from elastic.data.ids import bitmap_contains
+from elastic.data.pipeline import decoder, read_columns
 from elastic.data.shards import ID_COLUMN
 
 
@@ -28,6 +31,34 @@ def shard_blocks(shard: Any, prefetch_batches: int = 2) -> Iterator[dict[str, np
     return iter(
         shard.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=prefetch_batches)
     )
+
+
+def val_blocks(
+    cfg: DataConfig, files: list[str], rank: int, world: int
+) -> Iterator[dict[str, np.ndarray]]:
+    """This worker's share of the validation split, read and decoded here: row group i of
+    the split (its files in order, each file's row groups in order) is rank
+    ``i % world``'s, so every validation row is evaluated once at any world size.
+
+    No Ray Data pipeline: Ray Train would start a split coordinator actor for it at every
+    worker group start, which cost a small run ~10 s of its start on 2 cores (measured
+    with and without ``data.val_path``), for a split read once per validation."""
+    if not files:
+        return
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    decode, kwargs = decoder(cfg, files[0])
+    index = 0
+    for path in files:
+        shard = pq.ParquetFile(path)
+        columns = read_columns(cfg, shard.schema_arrow)
+        for group in range(shard.num_row_groups):
+            if index % world == rank:
+                table = shard.read_row_group(group, columns=columns)
+                if table.num_rows:
+                    yield decode(pa.Table.from_batches(table.to_batches()), **kwargs)
+            index += 1
 
 
 def shuffled(

@@ -214,6 +214,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
                     run_dir=out,
                     cache_train=cache_train,
                     train_rows=splits["train"].rows,
+                    val_files=splits["val"].files if "val" in splits else [],
                     control=control,
                     first_epoch=first_epoch,
                 )
@@ -232,7 +233,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
                 failure_config=FailureConfig(max_failures=sc.max_failures),
             ),
-            datasets=build_datasets(cfg.data, splits, sc.max_workers),
+            datasets=build_datasets(cfg.data, splits["train"], sc.max_workers),
             dataset_config=data_config(first_epoch),
             torch_config=rendezvous.torch_config(sc.use_gpu),
         )

@@ -16,7 +16,7 @@ import contextlib
 import random
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from elastic.config.schema import TrainConfig
 from elastic.data.formats import data_format
 from elastic.data.shards import damaged_shard
-from elastic.data.stream import EpochPrefetcher, StepBatch, StepStream, shard_blocks, shuffled
+from elastic.data.stream import EpochPrefetcher, StepBatch, StepStream, shuffled, val_blocks
 from elastic.errors import find_run_error, run_error
 from elastic.models.losses import MetricSums, per_sample_loss
 from elastic.observe.summary import WorkerSummary
@@ -56,6 +56,8 @@ class WorkerArgs:
     cache_train: bool
     """The train split fits ``data.cache_mb``: read once, then from memory."""
     train_rows: int
+    val_files: list[str] = field(default_factory=list)
+    """The validation split's shards (each worker reads its share: stream.val_blocks)."""
     control: Any = None
     """The run's control actor (stop requests, fatal errors, progress)."""
     first_epoch: Any = None
@@ -134,11 +136,10 @@ def train_loop(config: dict[str, Any]) -> None:
 
     trainer = _Trainer(cfg, engine, plan, state, tracker, rank, world, control, args.train_rows)
     trainer.startup = {"since": started, **startup}
-    val_shard = ray.train.get_dataset_shard("val") if cfg.data.val_path else None
     try:
-        trainer.train(prefetcher, val_shard)
+        trainer.train(prefetcher, args.val_files)
         # a preempted run checkpoints and goes: validation would eat into the grace period
-        val = {} if trainer.stop_reason == "preempted" else trainer.validate(val_shard)
+        val = {} if trainer.stop_reason == "preempted" else trainer.validate(args.val_files)
     except Exception as e:
         found = find_run_error(e)
         message = found[1] if found else damaged_shard(e, [cfg.data.path, cfg.data.val_path])
@@ -272,18 +273,18 @@ class _Trainer:
         )
 
     # -- training ---------------------------------------------------------------------
-    def train(self, prefetcher: EpochPrefetcher, val_shard: Any = None) -> None:
+    def train(self, prefetcher: EpochPrefetcher, val_files: list[str]) -> None:
         self.engine.train()
         self.times.session_start = self.train_start = time.perf_counter()
         while not self._done():
-            if self._train_epoch(prefetcher, val_shard):
+            if self._train_epoch(prefetcher, val_files):
                 self._close_epoch()
         self._stop_if_diverged()  # before the final validation and checkpoint
         prefetcher.close()
         self.train_end = time.perf_counter()
         self.times.fold_into(self.state)
 
-    def _train_epoch(self, prefetcher: EpochPrefetcher, val_shard: Any) -> bool:
+    def _train_epoch(self, prefetcher: EpochPrefetcher, val_files: list[str]) -> bool:
         """One epoch, or what is left of it; False when a stopping rule ends it early."""
         batches = iter(self._epoch_stream(prefetcher))
         while (batch := self._next_batch(batches)) is not None:
@@ -292,7 +293,7 @@ class _Trainer:
             self._maybe_log()
             self._maybe_checkpoint()
             self._after_step_signals()  # preemption, node drain
-            self._maybe_validate(val_shard)
+            self._maybe_validate(val_files)
             self._count_throughput(batch)
             if self._done():
                 return False
@@ -488,10 +489,10 @@ class _Trainer:
         if every and s.step % every == 0:
             self._save({"step": s.step, "loss": s.loss_last})
 
-    def _maybe_validate(self, val_shard: Any) -> None:
+    def _maybe_validate(self, val_files: list[str]) -> None:
         every = self.cfg.trainer.val_every_steps
-        if every and val_shard is not None and self.state.step % every == 0 and not self._done():
-            self.validate(val_shard)  # the final validation after training covers the end
+        if every and val_files and self.state.step % every == 0 and not self._done():
+            self.validate(val_files)  # the final validation after training covers the end
 
     def _sync_ledger(self) -> None:
         """Gather every rank's trained sample ids to rank 0's ledger."""
@@ -524,13 +525,14 @@ class _Trainer:
             self.divergence.stop(self.world, self.cfg.data.path, self.cfg.optim.lr)
 
     # -- validation and the end ---------------------------------------------------------
-    def validate(self, shard: Any) -> dict[str, float]:
-        if shard is None:
+    def validate(self, val_files: list[str]) -> dict[str, float]:
+        """Metrics over the validation split (``val_files``; none: no metrics)."""
+        if not val_files:
             return {}
         self.engine.eval()
         sums = MetricSums(self.task, getattr(self.cfg.model, "output_dim", 1), self.classes)
         stream = StepStream(
-            shard_blocks(shard),
+            val_blocks(self.cfg.data, val_files, self.rank, self.world),
             self.plan.micro_batch_size,
             self._all_reduce_count,
             empty=self._empty_batch(),
