@@ -77,11 +77,14 @@ def test_a_plugin_format_and_model_train_end_to_end(tmp_path):
 def test_a_plugin_is_checked_before_ray_starts(tmp_path):
     """Mistakes with a plugin's format and model end in one line before Ray starts,
     as the library's own do: a model without enough classes for the labels, an
-    unknown key of the plugin's model, and a plugin that cannot be imported."""
+    unknown key of the plugin's model or of its format's settings, a bad value of a
+    setting, and a plugin that cannot be imported."""
     project, env = _user_project(tmp_path)
     for overrides, extra_env, needle in [
         (["model.output_dim=2"], {}, "holds class labels 0..2 but model.output_dim=2"),
         (["+model.chanels=[4]"], {}, "unknown config key model.chanels"),
+        (["+data.spectrum.paek=2"], {}, "unknown config key data.spectrum.paek"),
+        (["data.spectrum.peak=-1"], {}, "data.spectrum.peak=-1.0 is not valid"),
         ([], {"ELASTIC_PLUGINS": "spectra_plugni"}, "plugin 'spectra_plugni'"),
     ]:
         proc = _run(project, {**env, **extra_env}, tmp_path, *overrides)

@@ -141,10 +141,10 @@ def test_image_data_needs_an_image_model(small_data, tmp_path):
         ),
         (
             ["+experiment=images_resnet", "model.in_channels=3"],
-            "model.in_channels=3 but data.image_channels=1",
+            "model.in_channels=3 but data.image.channels=1",
         ),
-        (["+experiment=images_resnet", "data.image_channels=2"], r"use 1 \(grayscale\) or 3"),
-        (["+experiment=images_resnet", "data.augment_shift=8"], "data.augment_shift=8"),
+        (["+experiment=images_resnet", "data.image.channels=2"], r"use 1 \(grayscale\) or 3"),
+        (["+experiment=images_resnet", "data.image.augment_shift=8"], "data.image.augment_shift=8"),
     ]:
         cfg, experiment = compose([*extra, f"data.path={small_data}/train"])
         with pytest.raises(ConfigError, match=message):
@@ -200,7 +200,7 @@ def test_an_image_that_does_not_decode_at_train_time_ends_the_run_in_one_line(tm
             "+experiment=images_resnet",
             f"data.path={tmp_path}/out/train",
             "data.val_path=null",
-            "data.image_size=16",
+            "data.image.size=16",
             "data.global_batch_size=8",
             "trainer.max_steps=20",
             "logger=none",

@@ -33,11 +33,11 @@ HELP = "rows/s into 2 workers vs a torch DataLoader"
 INGEST_RATIO_TARGET = 1.0  # elastic's rows/s over the DataLoader's, at least
 DATA_WAIT_TARGET = 0.02  # share of step time waiting for data, steady state, at most
 INGEST_DATASETS = {
-    # name: (experiment, DataConfig overrides, what the rows are)
-    "synthetic": ("smoke", {}, "float32[256] + target[16]"),
-    "images": ("images_resnet", {"image_size": 32}, "32x32 PNG bytes, decoded + resized"),
-    "protein": ("protein_cvae", {}, "214-residue contact maps, 22,791 bits unpacked"),
-    "cbed": ("cbed_cnn", {}, "float32[64x64] patterns"),
+    # name: (experiment, config overrides, what the rows are)
+    "synthetic": ("smoke", [], "float32[256] + target[16]"),
+    "images": ("images_resnet", ["data.image.size=32"], "32x32 PNG bytes, decoded + resized"),
+    "protein": ("protein_cvae", [], "214-residue contact maps, 22,791 bits unpacked"),
+    "cbed": ("cbed_cnn", [], "float32[64x64] patterns"),
 }
 
 
@@ -77,11 +77,9 @@ def _ingest_data(root: Path, names: list[str]) -> dict[str, DataConfig]:
 
                 cbed.synthetic(d, 16000, val_fraction=0.0, shards=16)
         overrides = [f"+experiment={experiment}", f"data.path={d}/train", "data.val_path=null"]
-        cfg, exp = compose(overrides)
+        cfg, exp = compose([*overrides, *extra])
         data = typed_config(cfg, exp).data
         data.val_path = None
-        for key, value in extra.items():
-            setattr(data, key, value)
         made[name] = data
     return made
 
@@ -229,7 +227,9 @@ def _steady_data_wait(experiment: str, data, steps: int, workdir: str) -> dict:
     pipeline's start) and over the whole run."""
     overrides = [f"+experiment={experiment}", f"data.path={data.path}", "data.val_path=null"]
     if data.format == "image":
-        overrides.append(f"data.image_size={data.image_size}")
+        from elastic.data.formats import data_format
+
+        overrides.append(f"data.image.size={data_format('image').settings_of(data).size}")
     records, summary = train(overrides, steps, workdir, "ingest-wait")
     recs = [r for r in records if "train/data_wait_share" in r]
     waited = total = 0.0

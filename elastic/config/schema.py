@@ -45,15 +45,9 @@ class DataConfig:
     format: str = "array"
     """array: the input column holds arrays (fixed-size lists); image: encoded image
     bytes (PNG, JPEG, ...), decoded and resized in Ray Data's map_batches; contacts:
-    bit-packed contact maps (datasets/protein), decoded to 0/1 vectors."""
-    image_size: int = 32
-    """image: decoded images are resized to image_size x image_size."""
-    image_channels: int = 1
-    """image: 1 (grayscale) or 3 (RGB)."""
-    augment_shift: int = 0
-    """image: shift each training image by up to this many pixels, by an offset fixed by
-    data.seed, the epoch and the sample_id (the same on any worker, after a resume too);
-    0 = no augmentation."""
+    bit-packed contact maps (datasets/protein), decoded to 0/1 vectors. A format's own
+    settings are the keys data.<format>.* (e.g. data.image.size): see
+    :func:`train_schema`."""
     seed: int = 0
     """Seed of the data's randomness (row order, augmentation)."""
     shuffle_files: bool = True
@@ -230,11 +224,35 @@ class TrainConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
+def train_schema() -> type[TrainConfig]:
+    """:class:`TrainConfig` whose ``data`` also holds ``data.<format>.*``: the settings
+    dataclass of every registered format that declares one (plugins' formats too), so a
+    format's own keys are typed and defaulted with no edit here."""
+    import dataclasses
+
+    from elastic.data.formats import FORMATS
+
+    load_plugins()
+    groups = [
+        (name, fmt.settings, field(default_factory=fmt.settings))
+        for name, fmt in sorted(FORMATS.items())
+        if fmt.settings is not None
+    ]
+    if not groups:
+        return TrainConfig
+    data = dataclasses.make_dataclass("DataConfig", groups, bases=(DataConfig,))
+    data.__doc__ = DataConfig.__doc__
+    train = dataclasses.make_dataclass(
+        "TrainConfig", [("data", data, field(default_factory=data))], bases=(TrainConfig,)
+    )
+    train.__doc__ = TrainConfig.__doc__
+    return train
+
+
 def register_schemas() -> None:
     """Register the schemas so ``conf/`` YAML is type-checked while Hydra composes it
-    (the plugins' model families too: they are loaded first)."""
-    load_plugins()
+    (the plugins' model families and formats too: they are loaded first)."""
     cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="train_schema", node=train_schema())
     for name, schema in MODEL_SCHEMAS.items():
         cs.store(group="schema/model", name=name, node=schema)

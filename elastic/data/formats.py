@@ -58,6 +58,17 @@ class DataFormat:
 
     name = "array"
     description = "an input column of fixed-size vectors (Parquet fixed_size_list)"
+    settings: type | None = None
+    """A dataclass of this format's own settings, or None. Its fields are the config keys
+    ``data.<name>.<field>`` (e.g. ``data.image.size``), typed and defaulted by it, on every
+    run; the format reads them with :meth:`settings_of`."""
+
+    def settings_of(self, cfg: DataConfig) -> Any:
+        """This format's settings in ``cfg`` (their defaults where ``cfg`` was built
+        without them, e.g. a ``DataConfig`` made in code)."""
+        assert self.settings is not None, f"format {self.name} declares no settings"
+        found = getattr(cfg, self.name, None)
+        return found if found is not None else self.settings()
 
     def extra_columns(self, cfg: DataConfig, schema: pa.Schema) -> list[str]:
         """Columns to read besides sample_id, the input and the target."""
@@ -177,7 +188,20 @@ FORMATS: dict[str, DataFormat] = {"array": DataFormat()}
 
 
 def register_format(fmt: DataFormat) -> DataFormat:
-    """Make ``fmt`` the format of ``data.format=fmt.name``."""
+    """Make ``fmt`` the format of ``data.format=fmt.name`` (and, if it declares settings,
+    the owner of the ``data.<name>.*`` keys)."""
+    import dataclasses
+
+    from elastic.config.schema import DataConfig
+
+    if fmt.settings is not None:
+        if not dataclasses.is_dataclass(fmt.settings):
+            raise TypeError(f"format {fmt.name!r}: settings must be a dataclass")
+        if fmt.name in {f.name for f in dataclasses.fields(DataConfig)}:
+            raise TypeError(
+                f"format {fmt.name!r} declares settings, but data.{fmt.name} is already a "
+                "data key: rename the format"
+            )
     FORMATS[fmt.name] = fmt
     return fmt
 

@@ -221,38 +221,56 @@ def digits_to_folders(out: str | Path) -> int:
     return len(digits.images)
 
 
+@dataclass
+class ImageSettings:
+    """``data.image.*``: how ``data.format=image`` decodes and augments."""
+
+    size: int = 32
+    """Decoded images are resized to size x size."""
+    channels: int = 1
+    """1 (grayscale) or 3 (RGB)."""
+    augment_shift: int = 0
+    """Shift each training image by up to this many pixels, by an offset fixed by
+    data.seed, the epoch and the sample_id (the same on any worker, after a resume too);
+    0 = no augmentation."""
+
+
 class ImageFormat(DataFormat):
     """``data.format=image``: encoded image bytes (PNG, JPEG, ...) decoded and resized to
-    ``data.image_size`` in Ray Data; training images shifted by ``data.augment_shift``."""
+    ``data.image.size`` in Ray Data; training images shifted by ``data.image.augment_shift``."""
 
     name = "image"
     description = "encoded image bytes (PNG, JPEG, ...) and an integer label"
+    settings = ImageSettings
 
     def extra_columns(self, cfg: Any, schema: pa.Schema) -> list[str]:
         return ["path"] if "path" in schema.names else []  # the source, for a decode error
 
     def decoder(self, cfg: Any, shard: str) -> tuple[Any, dict[str, Any]]:
-        return decode_images, {"size": cfg.image_size, "channels": cfg.image_channels}
+        s = self.settings_of(cfg)
+        return decode_images, {"size": s.size, "channels": s.channels}
 
     def input_width(self, cfg: Any, files: list[str]) -> int | None:
-        return None  # decoded to data.image_size: checked against the model in check()
+        return None  # decoded to data.image.size: checked against the model in check()
 
     def input_shape(self, cfg: Any, model: Any) -> tuple[int, ...]:
-        return (cfg.image_channels, cfg.image_size, cfg.image_size)
+        s = self.settings_of(cfg)
+        return (s.channels, s.size, s.size)
 
     def target_shape(self, cfg: Any, model: Any) -> tuple[tuple[int, ...], Any]:
         return (), np.int64
 
-    def check(self, d: Any, model: Any) -> None:
-        if d.image_size < 4:
-            raise ConfigError(f"data.image_size={d.image_size} is not valid: it must be >= 4")
-        if d.image_channels not in (1, 3):
+    def check(self, cfg: Any, model: Any) -> None:
+        d = self.settings_of(cfg)
+        if d.size < 4:
+            raise ConfigError(f"data.image.size={d.size} is not valid: it must be >= 4")
+        if d.channels not in (1, 3):
             raise ConfigError(
-                f"data.image_channels={d.image_channels} is not valid: use 1 (grayscale) or 3 (RGB)"
+                f"data.image.channels={d.channels} is not valid: use 1 (grayscale) or 3 (RGB)"
             )
-        if not 0 <= d.augment_shift < d.image_size // 2:
+        if not 0 <= d.augment_shift < d.size // 2:
             raise ConfigError(
-                f"data.augment_shift={d.augment_shift} is not valid: use 0..{d.image_size // 2 - 1}"
+                f"data.image.augment_shift={d.augment_shift} is not valid: use 0..{d.size // 2 - 1}"
             )
         channels = getattr(model, "in_channels", None)
         if channels is None:
@@ -260,15 +278,15 @@ class ImageFormat(DataFormat):
                 f"data.format=image needs an image model, not model={getattr(model, 'name', '?')}"
                 ": use model=resnet or model=vit"
             )
-        if channels != d.image_channels:
+        if channels != d.channels:
             raise ConfigError(
-                f"model.in_channels={channels} but data.image_channels={d.image_channels}: "
+                f"model.in_channels={channels} but data.image.channels={d.channels}: "
                 "make them equal"
             )
         side = getattr(model, "image_size", None)  # models whose shape depends on the side
-        if side is not None and not model.input_size and side != d.image_size:
+        if side is not None and not model.input_size and side != d.size:
             raise ConfigError(
-                f"model.image_size={side} but data.image_size={d.image_size}: make them equal"
+                f"model.image_size={side} but data.image.size={d.size}: make them equal"
             )
 
     def missing_hint(self, cfg: Any) -> str | None:
@@ -279,7 +297,7 @@ class ImageFormat(DataFormat):
         )
 
     def augment(self, x: np.ndarray, sample_id: np.ndarray, epoch: int, cfg: Any) -> np.ndarray:
-        return shift_augment(x, sample_id, epoch, cfg.seed, cfg.augment_shift)
+        return shift_augment(x, sample_id, epoch, cfg.seed, self.settings_of(cfg).augment_shift)
 
 
 register_format(ImageFormat())

@@ -51,7 +51,7 @@ class ViTConfig:
     name: str = "vit"
     in_channels: int = 1
     image_size: int = 32
-    """Side of the square images the model takes (data.image_size for image data)."""
+    """Side of the square images the model takes (data.image.size for image data)."""
     patch_size: int = 8
     dim: int = 128
     depth: int = 4

@@ -22,13 +22,15 @@ LENGTH_KEY = b"spectrum.length"  # Parquet schema metadata: points per spectrum
 
 
 def decode_spectra(
-    batch: pa.Table, input_column: str, target_column: str, length: int
+    batch: pa.Table, input_column: str, target_column: str, length: int, peak: float
 ) -> dict[str, np.ndarray]:
-    """float16 bytes -> float32 [N, length], each spectrum scaled to a maximum of 1."""
+    """float16 bytes -> float32 [N, length], each spectrum scaled to a maximum of
+    ``peak`` (0: as stored)."""
     raw = batch[input_column].combine_chunks()
     x = np.frombuffer(b"".join(raw.to_pylist()), "<f2").reshape(len(raw), length)
     x = x.astype(np.float32)
-    x /= np.maximum(x.max(axis=1, keepdims=True), 1e-6)
+    if peak:
+        x *= peak / np.maximum(x.max(axis=1, keepdims=True), 1e-6)
     return {
         "sample_id": batch["sample_id"].to_numpy().astype(np.int64),
         "x": x,
@@ -36,12 +38,28 @@ def decode_spectra(
     }
 
 
+@dataclass
+class SpectrumSettings:
+    """The format's own keys: ``data.spectrum.*``."""
+
+    peak: float = 1.0
+    """Scale each spectrum to this maximum (0: as stored)."""
+
+
 class SpectrumFormat(DataFormat):
     name = "spectrum"
     description = "1-D spectra as raw little-endian float16 bytes"
+    settings = SpectrumSettings
 
     def decoder(self, cfg: Any, shard: str) -> tuple[Any, dict[str, Any]]:
-        return decode_spectra, {"length": self.input_width(cfg, [shard])}
+        peak = self.settings_of(cfg).peak
+        return decode_spectra, {"length": self.input_width(cfg, [shard]), "peak": peak}
+
+    def check(self, cfg: Any, model: Any) -> None:
+        super().check(cfg, model)
+        peak = self.settings_of(cfg).peak
+        if peak < 0:
+            raise ConfigError(f"data.spectrum.peak={peak} is not valid: use 0 or more")
 
     def input_width(self, cfg: Any, files: list[str]) -> int | None:
         meta = pq.read_schema(files[0]).metadata or {}
