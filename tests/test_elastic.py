@@ -83,16 +83,7 @@ def test_node_dies_then_joins(cluster, data, tmp_path):
     )
     overrides[overrides.index("logger=none")] = "logger=wandb"
     run = Run(tmp_path, "shrink-grow", overrides, c.address)
-    run.wait_for("a registered checkpoint", lambda: run.registered_steps())
-    c.remove_node(c.nodes[0])
-    shrunk = run.wait_for(
-        "world size 1", lambda: [e for e in run.events("world_size") if e["world_size"] == 1]
-    )[0]
-    # let the smaller group train and checkpoint before the node joins
-    run.wait_for(
-        "a checkpoint at world size 1", lambda: max(run.registered_steps()) > shrunk["step"]
-    )
-    c.add_node()
+    run.shrink_then_grow(lambda: c.remove_node(c.nodes[0]), c.add_node, 1, 2)
     assert run.finish() == 0, run.output()[-5000:]
     s = run.summary()
     assert s["status"] == "finished"

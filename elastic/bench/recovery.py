@@ -54,15 +54,11 @@ def _recovery_round(workdir: str, knobs: list[str], label: str) -> dict:
         os.kill(cluster.train_worker_pids()[0], signal.SIGKILL)
         out["worker_kill_s"] = run.wait_step(t, restarted=True) - t
 
-        run.wait_checkpoint()
-        t = time.time()
-        cluster.remove_node(cluster.nodes[0])
-        out["shrink_s"] = run.wait_step(t, world=1) - t
-
-        run.wait_checkpoint()
-        t = time.time()
-        cluster.add_node()
-        out["grow_s"] = run.wait_step(t, world=2) - t
+        out.update(
+            run.shrink_then_grow(
+                lambda: cluster.remove_node(cluster.nodes[0]), cluster.add_node, 1, 2
+            )
+        )
         run.signal(signal.SIGTERM)  # checkpoint and stop: the benchmark has what it needs
         run.finish()
     finally:

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +205,22 @@ class RunFiles:
         self.wait_for(
             "a checkpoint", lambda: any(s > now for s in self.registered_steps()), timeout
         )
+
+    def shrink_then_grow(
+        self, kill: Callable[[], Any], join: Callable[[], Any], smaller: int, larger: int
+    ) -> dict[str, float]:
+        """The recovery scenario the elastic tests (a Ray cluster, Slurm) and the
+        recovery benchmark share: once a checkpoint is registered, ``kill()`` takes a node
+        away and the run goes on at world size ``smaller``; once it has checkpointed at
+        that size, ``join()`` adds a node and it grows to ``larger``. Returns the seconds
+        from each action to the first step at the new size (``shrink_s``, ``grow_s``)."""
+        out = {}
+        for action, world, key in ((kill, smaller, "shrink_s"), (join, larger, "grow_s")):
+            self.wait_checkpoint()
+            t = time.time()
+            action()
+            out[key] = self.wait_step(t, world=world) - t
+        return out
 
     def summary(self) -> dict[str, Any]:
         paths = sorted(glob.glob(str(self.dir / "hydra" / "*" / "summary.json")))
