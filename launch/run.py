@@ -24,8 +24,15 @@ with exit_on_stop():
     from hydra.types import RunMode
     from omegaconf import DictConfig
 
-    from elastic.config.compose import CONF_DIR, fail, plain, preflight, quote_target, typed_config
-    from elastic.config.schema import register_schemas
+    from elastic.config.compose import (
+        CONF_DIR,
+        fail,
+        plain,
+        preflight,
+        quote_target,
+        register_schemas,
+        typed_config,
+    )
     from elastic.errors import ConfigError, DataError, RunError
 
     try:

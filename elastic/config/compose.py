@@ -14,14 +14,59 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from elastic.config.schema import TrainConfig, register_schemas
+from elastic.config.schema import DataConfig, TrainConfig
 from elastic.config.validate import resolve_paths, to_typed
 from elastic.errors import EXIT_USER_ERROR, ConfigError
+from elastic.models import MODEL_SCHEMAS
+from elastic.plugins import load_plugins
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def train_schema() -> type[TrainConfig]:
+    """:class:`TrainConfig` whose ``data`` also holds ``data.<format>.*``: the settings
+    dataclass of every registered format that declares one (plugins' formats too), so a
+    format's own keys are typed and defaulted with no edit here."""
+    import dataclasses
+
+    from elastic.data.formats import FORMATS
+
+    load_plugins()
+    taken = {f.name for f in dataclasses.fields(DataConfig)}
+    groups = []
+    for name, fmt in sorted(FORMATS.items()):
+        if fmt.settings is None:
+            continue
+        if not dataclasses.is_dataclass(fmt.settings) or name in taken:
+            raise TypeError(
+                f"format {name!r}: its settings must be a dataclass, and data.{name} must not "
+                "be a key already (rename the format)"
+            )
+        groups.append((name, fmt.settings, dataclasses.field(default_factory=fmt.settings)))
+    if not groups:
+        return TrainConfig
+    data = dataclasses.make_dataclass("DataConfig", groups, bases=(DataConfig,))
+    data.__doc__ = DataConfig.__doc__
+    train = dataclasses.make_dataclass(
+        "TrainConfig",
+        [("data", data, dataclasses.field(default_factory=data))],
+        bases=(TrainConfig,),
+    )
+    train.__doc__ = TrainConfig.__doc__
+    return train
+
+
+def register_schemas() -> None:
+    """Register the schemas so ``conf/`` YAML is type-checked while Hydra composes it
+    (the plugins' model families and formats too: they are loaded first)."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=train_schema())
+    for name, schema in MODEL_SCHEMAS.items():
+        cs.store(group="schema/model", name=name, node=schema)
 
 
 def _one_line(text: str) -> str:

@@ -1,8 +1,9 @@
 """The run's typed configuration: one dataclass per config group.
 
 Hydra composes YAML from ``conf/`` against these schemas (registered in its ConfigStore
-by :func:`register_schemas`), so a typo or a wrong type fails while composing. Defaults
-live here and in ``conf/``; validation is in :mod:`elastic.config.validate`.
+by :func:`elastic.config.compose.register_schemas`), so a typo or a wrong type fails
+while composing. Defaults live here and in ``conf/``; validation is in
+:mod:`elastic.config.validate`.
 """
 
 from __future__ import annotations
@@ -10,11 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
-
-from elastic.models import MODEL_SCHEMAS
-from elastic.plugins import load_plugins
 
 
 @dataclass
@@ -47,7 +44,7 @@ class DataConfig:
     bytes (PNG, JPEG, ...), decoded and resized in Ray Data's map_batches; contacts:
     bit-packed contact maps (datasets/protein), decoded to 0/1 vectors. A format's own
     settings are the keys data.<format>.* (e.g. data.image.size): see
-    :func:`train_schema`."""
+    :func:`elastic.config.compose.train_schema`."""
     seed: int = 0
     """Seed of the data's randomness (row order, augmentation)."""
     shuffle_files: bool = True
@@ -222,37 +219,3 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
-
-
-def train_schema() -> type[TrainConfig]:
-    """:class:`TrainConfig` whose ``data`` also holds ``data.<format>.*``: the settings
-    dataclass of every registered format that declares one (plugins' formats too), so a
-    format's own keys are typed and defaulted with no edit here."""
-    import dataclasses
-
-    from elastic.data.formats import FORMATS
-
-    load_plugins()
-    groups = [
-        (name, fmt.settings, field(default_factory=fmt.settings))
-        for name, fmt in sorted(FORMATS.items())
-        if fmt.settings is not None
-    ]
-    if not groups:
-        return TrainConfig
-    data = dataclasses.make_dataclass("DataConfig", groups, bases=(DataConfig,))
-    data.__doc__ = DataConfig.__doc__
-    train = dataclasses.make_dataclass(
-        "TrainConfig", [("data", data, field(default_factory=data))], bases=(TrainConfig,)
-    )
-    train.__doc__ = TrainConfig.__doc__
-    return train
-
-
-def register_schemas() -> None:
-    """Register the schemas so ``conf/`` YAML is type-checked while Hydra composes it
-    (the plugins' model families and formats too: they are loaded first)."""
-    cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=train_schema())
-    for name, schema in MODEL_SCHEMAS.items():
-        cs.store(group="schema/model", name=name, node=schema)

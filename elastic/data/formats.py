@@ -189,19 +189,7 @@ FORMATS: dict[str, DataFormat] = {"array": DataFormat()}
 
 def register_format(fmt: DataFormat) -> DataFormat:
     """Make ``fmt`` the format of ``data.format=fmt.name`` (and, if it declares settings,
-    the owner of the ``data.<name>.*`` keys)."""
-    import dataclasses
-
-    from elastic.config.schema import DataConfig
-
-    if fmt.settings is not None:
-        if not dataclasses.is_dataclass(fmt.settings):
-            raise TypeError(f"format {fmt.name!r}: settings must be a dataclass")
-        if fmt.name in {f.name for f in dataclasses.fields(DataConfig)}:
-            raise TypeError(
-                f"format {fmt.name!r} declares settings, but data.{fmt.name} is already a "
-                "data key: rename the format"
-            )
+    the owner of the ``data.<name>.*`` keys: :func:`elastic.config.compose.train_schema`)."""
     FORMATS[fmt.name] = fmt
     return fmt
 
