@@ -45,7 +45,6 @@ def val_blocks(
     with and without ``data.val_path``), for a split read once per validation."""
     if not files:
         return
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     decode, kwargs = decoder(cfg, files[0])
@@ -57,7 +56,7 @@ def val_blocks(
             if index % world == rank:
                 table = shard.read_row_group(group, columns=columns)
                 if table.num_rows:
-                    yield decode(pa.Table.from_batches(table.to_batches()), **kwargs)
+                    yield decode(table, **kwargs)
             index += 1
 
 
