@@ -8,7 +8,7 @@ import os
 import signal
 
 import pytest
-from conftest import assert_every_epoch_once
+from conftest import FAST_POLL, assert_every_epoch_once
 
 from elastic.cluster.localcluster import RayCluster, Run, saving_pids
 
@@ -41,6 +41,7 @@ def _overrides(data, *extra: str) -> list[str]:
         "checkpoint.every_steps=5",
         "logger=none",
         "scaling.resize_interval_s=2",
+        FAST_POLL,
         *extra,
     ]
 

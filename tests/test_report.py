@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import FAST_POLL
 
 from elastic.cluster.localcluster import REPO
 from elastic.errors import ConfigError
@@ -74,7 +75,7 @@ def test_a_scaling_sweep_and_its_report(small_data, tmp_path):
         "trainer.max_epochs=2", "trainer.val_every_steps=4", "trainer.log_every_steps=2",
         "metrics.target=val/r2>=0.1", "optim.lr=0.005", "logger=none",
         "trainer.progress=plain", "trainer.progress_every_s=0.01",
-        f"run.storage_path={tmp_path}/runs", f"hydra.sweep.dir={sweep}",
+        f"run.storage_path={tmp_path}/runs", f"hydra.sweep.dir={sweep}", FAST_POLL,
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
