@@ -1,0 +1,138 @@
+"""The plan of world-size-independent global batches (elastic/data/order.py), checked
+against an independent enumeration of the split's rows. Pure: no Ray."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from elastic.data.order import EpochPlan, Layout
+
+# irregular on purpose: an empty file, an empty row group, groups of every size
+LAYOUT = Layout(((100, 37), (), (250, 0, 250, 13), (64,), (1, 1, 1)))
+B = 48
+
+
+def all_rows(layout: Layout) -> list[tuple[int, int, int]]:
+    return [
+        (f, g, r) for f, groups in enumerate(layout.rows) for g, n in enumerate(groups)
+        for r in range(n)
+    ]  # fmt: skip
+
+
+def plan(epoch: int = 0, seed: int = 3, lanes: int = 8, window: int = 40, **kw) -> EpochPlan:
+    return EpochPlan(LAYOUT, seed, epoch, B, lanes, window, **kw)
+
+
+@pytest.mark.parametrize("lanes", [1, 5, 8, 48])
+def test_every_row_is_in_exactly_one_global_batch_of_the_epoch(lanes):
+    p = plan(lanes=lanes)
+    batches = [p.batch(s) for s in range(p.steps)]
+    seen = [r for b in batches for r in b]
+    assert sorted(seen) == sorted(all_rows(LAYOUT)) and len(seen) == len(set(seen))
+    # full global batches until the lanes run out, then the tail
+    sizes = [len(b) for b in batches]
+    full = len(seen) // B
+    assert sizes[:full] == [B] * full and sum(sizes) == p.rows == 717
+    assert all(0 < n < B for n in sizes[full:])
+
+
+def test_the_global_batch_is_the_same_at_every_world_size():
+    p = plan(lanes=8)
+    for step in range(p.steps):
+        expected = sorted(p.batch(step))
+        for world in range(1, 9):
+            slices = [p.slice(step, r, world) for r in range(world)]
+            union = [r for s in slices for r in s]
+            assert sorted(union) == expected, (step, world)
+            assert len(union) == len(set(union))
+            if step < p.steps - 1:  # full steps: slices differ by at most one lane's quota
+                sizes = [len(s) for s in slices]
+                assert max(sizes) - min(sizes) <= max(p.quota(c) for c in range(8))
+
+
+def test_the_order_is_fixed_by_seed_and_epoch_and_new_every_epoch():
+    assert [plan().batch(s) for s in range(3)] == [plan().batch(s) for s in range(3)]
+    assert plan(epoch=1).batch(0) != plan(epoch=0).batch(0)
+    assert plan(seed=4).batch(0) != plan(seed=3).batch(0)
+    # rows really mixed: the first batch draws on most of the files, not one
+    assert len({f for f, _, _ in plan().batch(0)}) >= 3
+
+
+def test_shuffling_is_seekable_a_lane_read_from_its_middle_is_the_same():
+    p = plan(lanes=5, window=40)
+    for lane in range(5):
+        start, stop = p.lane_range(lane)
+        whole = p.lane_rows(lane, 0, stop - start)
+        assert sorted(whole) == sorted(p._row_at(i) for i in range(start, stop))
+        for a, b in [(0, 7), (39, 41), (40, 80), (55, stop - start)]:
+            assert p.lane_rows(lane, a, b) == whole[a:b]
+
+
+def test_without_shuffling_lanes_are_contiguous_runs_of_the_files():
+    p = plan(lanes=4, shuffle=False)
+    rows = all_rows(LAYOUT)
+    for lane in range(4):
+        start, stop = p.lane_range(lane)
+        assert p.lane_rows(lane, 0, stop - start) == rows[start:stop]
+
+
+@pytest.mark.parametrize("world,from_step", [(1, 0), (3, 0), (3, 5), (8, 9), (2, 14)])
+def test_a_rank_reads_what_it_trains_from_the_resume_step_and_little_more(world, from_step):
+    p = plan(lanes=8, window=40)
+    for rank in range(world):
+        reads = p.reads(rank, world, from_step)
+        assert len(reads) == len(set(reads))
+        needed = {
+            (f, g) for step in range(from_step, p.steps) for f, g, _ in p.slice(step, rank, world)
+        }
+        assert needed <= set(reads), (rank, needed - set(reads))
+        # nothing from windows that are over before the resume step
+        lanes = p.rank_lanes(rank, world)
+        live = set()
+        for c in lanes:
+            start, stop = p.lane_range(c)
+            first = min(stop - start, from_step * p.quota(c))
+            lo = start + (first // p.window) * p.window
+            live |= {(f, g) for f, g, _ in (p._row_at(i) for i in range(lo, stop))}
+        assert set(reads) <= live
+        # in the order they are first trained, give or take one window (a window's
+        # groups are all read when its first row is needed: its rows are permuted)
+        first: dict[tuple[int, int], int] = {}
+        for step in range(from_step, p.steps):
+            for f, g, _ in p.slice(step, rank, world):
+                first.setdefault((f, g), step)
+        slack = -(-p.window // min(p.quota(c) for c in lanes))
+        steps = [first[fg] for fg in reads if fg in first]
+        assert all(a <= b + slack for i, a in enumerate(steps) for b in steps[i + 1 :]), steps
+
+
+def test_the_layout_comes_from_the_parquet_footers(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for i, (rows, group) in enumerate([(250, 100), (7, 100), (64, 16)]):
+        table = pa.table({"sample_id": pa.array(range(rows), pa.int64())})
+        pq.write_table(table, tmp_path / f"part-{i}.parquet", row_group_size=group)
+    files = sorted(str(p) for p in tmp_path.glob("*.parquet"))
+    assert Layout.of_files(files).rows == ((100, 100, 50), (7,), (16, 16, 16, 16))
+
+
+def test_impossible_plans_are_refused():
+    with pytest.raises(ValueError, match="lanes=49"):
+        plan(lanes=49)
+    with pytest.raises(ValueError, match="world size 9"):
+        plan(lanes=8).slice(0, 0, 9)
+    with pytest.raises(ValueError, match="window=0"):
+        plan(window=0)
+
+
+def test_a_different_lane_count_is_another_order():
+    """The lane count is part of the plan (like MosaicML's canonical node count): the
+    same lanes give the same batches at any world size; other lanes, other batches."""
+    a, b = plan(lanes=8), plan(lanes=6)
+    assert a.batch(0) != b.batch(0)
+    assert list(itertools.chain(*(a.batch(s) for s in range(a.steps)))) != list(
+        itertools.chain(*(b.batch(s) for s in range(b.steps)))
+    )
