@@ -6,6 +6,7 @@
     python launch/bench.py ingest [--rounds 2] [--epochs 3]
     python launch/bench.py memory [--stages 0 1 2 3] [--worlds 1 2 3]
     python launch/bench.py gpu [--steps 300] [--cpu-check]
+    python launch/bench.py startup [--rounds 2] [--steps 20]
     python launch/bench.py all [--quick] [--skip NAME ...]
 
 Each benchmark, what it measures and its targets: its module in elastic/bench/ (the

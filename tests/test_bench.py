@@ -82,3 +82,24 @@ def test_the_table_judges_each_figure_by_its_benchmarks_own_target():
         in rows["| data wait, smoke (steady state)"]
     )
     assert "| >= 1.0 | met |" in rows["| ingest synthetic, rows/s into 2 workers (streamed)"]
+
+
+def test_startup_phases_are_read_from_a_runs_records():
+    from elastic.bench.startup import phases
+
+    records = [
+        {"event": "session_start", "time": 100.0},
+        {"event": "world_size", "time": 109.0, "world_size": 2},
+        {"step": 1, "time": 115.0, "train/loss": 1.0},
+        {"event": "startup", "time": 115.1, "first_step_s": 5.5},
+        {"step": 20, "time": 118.0, "train/loss": 0.5},
+        {"event": "session_end", "time": 121.5},
+    ]
+    assert phases(records) == {
+        "to_worker_group_s": 9.0,
+        "to_first_step_s": 15.0,
+        "worker_first_step_s": 5.5,
+        "steps_s": 3.0,
+        "end_s": 3.5,
+        "session_s": 21.5,
+    }

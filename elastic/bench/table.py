@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from elastic.bench import chaos, gpu, ingest, memory, overhead, recovery
+from elastic.bench import chaos, gpu, ingest, memory, overhead, recovery, startup
 
 # each benchmark's module: HELP, add_arguments(parser), measure(args) -> its report;
 # in the order the CLI lists them
@@ -22,6 +22,7 @@ BENCHES: dict[str, ModuleType] = {
     "ingest": ingest,
     "memory": memory,
     "gpu": gpu,
+    "startup": startup,
 }
 ALL_ORDER = ("overhead", "ingest", "recovery", "chaos", "memory")
 QUICK = {  # --quick: fewer rounds and steps, same figures (noisier)
