@@ -136,3 +136,51 @@ def test_a_different_lane_count_is_another_order():
     assert list(itertools.chain(*(a.batch(s) for s in range(a.steps)))) != list(
         itertools.chain(*(b.batch(s) for s in range(b.steps)))
     )
+
+
+def _blocks(p: EpochPlan, reads, split: bool = True):
+    """Decoded row groups as a reader would deliver them: in the read plan's order, each
+    group in two blocks, sample_id = a number of (file, group, row)."""
+    import numpy as np
+
+    for f, g in reads:
+        n = p.layout.rows[f][g]
+        ids = np.array([f * 1_000_000 + g * 1_000 + r for r in range(n)], np.int64)
+        cuts = [0, n // 2, n] if split and n > 1 else [0, n]
+        for a, b in itertools.pairwise(cuts):
+            yield {
+                "__file": np.full(b - a, f),
+                "__group": np.full(b - a, g),
+                "sample_id": ids[a:b],
+                "x": ids[a:b, None].astype(np.float32) * [1.0, -1.0],
+            }
+
+
+@pytest.mark.parametrize("world,from_step", [(1, 0), (3, 0), (3, 6), (8, 14)])
+def test_a_rank_assembles_its_slices_from_the_row_groups_it_reads(world, from_step):
+    from elastic.data.order import SliceAssembler
+
+    p = plan(lanes=8, window=40)
+    for rank in range(world):
+        asm = SliceAssembler(p, rank, world, from_step)
+        got = list(asm.steps(_blocks(p, p.reads(rank, world, from_step))))
+        assert [s for s, _ in got] == list(range(from_step, p.steps))
+        for step, batch in got:
+            want = [f * 1_000_000 + g * 1_000 + r for f, g, r in p.slice(step, rank, world)]
+            assert (batch["sample_id"].tolist() if batch else []) == want, (rank, step)
+            if batch:
+                assert (batch["x"][:, 0] == batch["sample_id"]).all()
+                assert (batch["x"][:, 1] == -batch["sample_id"]).all()
+        assert asm.held_groups == 0  # every group dropped once trained
+
+
+def test_blocks_that_do_not_match_the_plan_are_refused():
+    from elastic.data.order import SliceAssembler
+
+    p = plan(lanes=8)
+    reads = p.reads(0, 1)
+    with pytest.raises(ValueError, match="the data ended before row group"):
+        list(SliceAssembler(p, 0, 1).steps(_blocks(p, reads[:-1])))
+    doubled = list(_blocks(p, reads[:1], split=False)) * 2
+    with pytest.raises(ValueError, match="read twice"):
+        list(SliceAssembler(p, 0, 1).steps(iter(doubled)))

@@ -25,7 +25,9 @@ file order.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -170,3 +172,85 @@ class EpochPlan:
                     needed[(f, g)] = min(needed.get((f, g), when), when)
                     k += 1
         return [fg for fg, _ in sorted(needed.items(), key=lambda kv: kv[1])]
+
+
+GROUP_COLUMNS = ("__file", "__group")  # which row group a decoded block's rows come from
+
+
+class SliceAssembler:
+    """Worker side: decoded row groups in, this rank's slice of each global batch out.
+
+    Blocks arrive in the order of :meth:`EpochPlan.reads` (a group may come in several
+    blocks, its rows in file order), each with the columns :data:`GROUP_COLUMNS` saying
+    which group it holds. :meth:`steps` yields ``(step, batch)`` from ``from_step`` to
+    the end of the epoch, each batch the rows of :meth:`EpochPlan.slice` in that order,
+    and drops a group once this rank has trained all of its rows that it owns."""
+
+    def __init__(self, plan: EpochPlan, rank: int, world: int, from_step: int = 0) -> None:
+        self.plan, self.rank, self.world, self.from_step = plan, rank, world, from_step
+        self._parts: dict[tuple[int, int], list[dict[str, np.ndarray]]] = {}
+        self._groups: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        self._left: dict[tuple[int, int], int] = {}
+        self._complete: set[tuple[int, int]] = set()
+        for step in range(from_step, plan.steps):
+            for f, g, _ in plan.slice(step, rank, world):
+                self._left[(f, g)] = self._left.get((f, g), 0) + 1
+
+    @property
+    def held_groups(self) -> int:
+        """Row groups in memory now (decoded, not yet fully trained)."""
+        return len(self._groups) + len(self._parts)
+
+    def steps(self, blocks: Any) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        blocks = iter(blocks)
+        for step in range(self.from_step, self.plan.steps):
+            rows = self.plan.slice(step, self.rank, self.world)
+            for f, g, _ in rows:
+                while (f, g) not in self._groups:
+                    self._take(next(blocks, None), (f, g))
+            batch = self._gather(rows)
+            for f, g, _ in rows:
+                self._left[(f, g)] -= 1
+                if not self._left[(f, g)]:
+                    del self._groups[(f, g)]
+            yield step, batch
+
+    def _take(self, block: dict[str, np.ndarray] | None, waiting: tuple[int, int]) -> None:
+        if block is None:
+            raise ValueError(
+                f"the data ended before row group {waiting[1]} of file {waiting[0]} came: "
+                "the read plan and the blocks read disagree"
+            )
+        f, g = int(block[GROUP_COLUMNS[0]][0]), int(block[GROUP_COLUMNS[1]][0])
+        if (f, g) in self._complete:
+            raise ValueError(f"row group {g} of file {f} was read twice: the plan reads it once")
+        self._parts.setdefault((f, g), []).append(
+            {k: v for k, v in block.items() if k not in GROUP_COLUMNS}
+        )
+        have = sum(len(next(iter(p.values()))) for p in self._parts[(f, g)])
+        expected = self.plan.layout.rows[f][g]
+        if have > expected:
+            raise ValueError(f"row group {g} of file {f}: {have} rows read, {expected} planned")
+        if have == expected:
+            self._complete.add((f, g))
+            parts = self._parts.pop((f, g))
+            if (f, g) in self._left:  # a group read for rows of windows not ours: dropped
+                self._groups[(f, g)] = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    def _gather(self, rows: list[Row]) -> dict[str, np.ndarray]:
+        """The rows, in this order; {} where this rank has none at this step (the tail of
+        an epoch: the loop sends its empty batch)."""
+        if not rows:
+            return {}
+        by_group: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        for pos, (f, g, r) in enumerate(rows):
+            at, idx = by_group.setdefault((f, g), ([], []))
+            at.append(pos)
+            idx.append(r)
+        first = self._groups[(rows[0][0], rows[0][1])]
+        out = {k: np.empty((len(rows), *v.shape[1:]), v.dtype) for k, v in first.items()}
+        for fg, (at, idx) in by_group.items():
+            group = self._groups[fg]
+            for k in out:
+                out[k][at] = group[k][idx]
+        return out
