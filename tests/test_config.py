@@ -311,3 +311,42 @@ def test_recovery_knobs_become_ray_train_environment(tmp_path):
     env = typed_config(cfg, name).scaling.ray_env()
     assert env["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] == "7.0"
     assert env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "0.5"
+
+
+def test_a_run_carries_only_its_own_formats_settings(tmp_path, monkeypatch):
+    """A process that has loaded a plugin format with settings (a notebook; this suite
+    after test_extension) composes every later run's schema with them, but a run's
+    typed config holds only its own format's settings: it unpickles where that plugin
+    cannot be imported (a Ray worker of a run that does not use it)."""
+    import pickle
+    import subprocess
+    import sys
+
+    from elastic.config.compose import compose, typed_config
+    from elastic.data.formats import FORMATS
+
+    (tmp_path / "elsewhere_plugin.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from elastic.data.formats import DataFormat, register_format\n"
+        "@dataclass\nclass Knobs:\n    level: int = 3\n"
+        "class Elsewhere(DataFormat):\n    name = 'elsewhere'\n    settings = Knobs\n"
+        "register_format(Elsewhere())\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import elsewhere_plugin  # noqa: F401  (registers the format, as a plugin would)
+
+    try:
+        cfg, name = compose(["+experiment=smoke", "data.elsewhere.level=4"])
+        assert cfg.data.elsewhere.level == 4  # its keys exist in every run's schema
+        typed = typed_config(cfg, name)
+        assert not hasattr(typed.data, "elsewhere")
+        blob = pickle.dumps(typed)
+    finally:
+        del FORMATS["elsewhere"]
+    out = subprocess.run(
+        [sys.executable, "-c", "import pickle, sys; c = pickle.loads(sys.stdin.buffer.read());"
+         "print(type(c.data).__name__, c.data.format)"],
+        input=blob, capture_output=True, cwd="/",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout.decode().split() == ["DataConfig", "array"]

@@ -183,14 +183,18 @@ def _leftovers(slurm: SlurmCluster) -> list[str]:
     return found
 
 
-def test_a_link_down_shrinks_the_job_which_finishes(slurm, data, tmp_path):
-    """3 nodes, 3 workers; node n3's network link is cut after the first checkpoint (a
-    partition: its processes live on, unreachable): the job goes on at world size 2 and
-    finishes, every sample once."""
+@pytest.mark.parametrize("failure", ["processes killed", "link down"])
+def test_a_failed_node_shrinks_the_job_which_finishes(slurm, data, tmp_path, failure):
+    """3 nodes, 3 workers; node n3 dies (every process on it SIGKILLed, or its network
+    link cut) after the first checkpoint: the job goes on at world size 2 and finishes,
+    every sample once."""
     job = Job(slurm, tmp_path, "-N", "3", TRAIN, *overrides(data, *ELASTIC))
     job.wait_for("a registered checkpoint", lambda: job.registered_steps(), timeout=240)
     try:
-        slurm.link("n3", up=False)
+        if failure == "link down":
+            slurm.link("n3", up=False)
+        else:
+            slurm.kill_node("n3")
         job.wait_for("the end of training", lambda: list(job.dir.glob("hydra/*/summary.json")), 360)
         s = job.summary()
         assert s["world_sizes"] == [3, 2], job.output()[-6000:]
@@ -199,50 +203,28 @@ def test_a_link_down_shrinks_the_job_which_finishes(slurm, data, tmp_path):
         assert_every_sample_once(s, data)
     finally:
         slurm.link("n3", up=True)
+        if failure != "link down":
+            slurm.start_slurmd("n3")
         job.finish()
         slurm.client("scontrol", "update", "nodename=n3", "state=resume", check=False)
         slurm.wait_idle(["n3"], 120)
 
 
-def test_a_killed_node_shrinks_the_job_and_a_join_allocation_grows_it(slurm, data, tmp_path):
-    """A 2-node job (n1, n2), 2 workers; every process on n2 is SIGKILLed (a crashed
-    host, slurmd included) after a checkpoint: the job goes on at world size 1; after it
-    has checkpointed at that size, a second allocation (join.sbatch, 1 node: n3) joins its
-    Ray cluster: it grows back to 2 and finishes, every sample once, and the joining job
-    ends with it. The same scenario as the Ray-cluster test and the recovery benchmark
-    (RunFiles.shrink_then_grow)."""
-    job = Job(
-        slurm,
-        tmp_path,
-        "-N",
-        "2",
-        "-w",
-        "n1,n2",
-        TRAIN,
-        *overrides(data, "scaling.min_workers=1", "scaling.max_workers=2"),
-    )
-    joins: list[str] = []
-    try:
-        job.shrink_then_grow(
-            lambda: slurm.kill_node("n2"),
-            lambda: joins.append(
-                slurm.sbatch("-N", "1", "-w", "n3", "-c", "3", JOIN, job.id, cwd=tmp_path)
-            ),
-            1,
-            2,
-        )
-        assert job.finish() == "COMPLETED", job.output()[-6000:]
-        s = job.summary()
-        assert s["world_sizes"] == [2, 1, 2], job.output()[-6000:]
-        restarts = [(e["cause"], e["world_size"]) for e in s["events"] if e["event"] == "restart"]
-        assert restarts in ([("shrink", 1), ("grow", 2)], [("failure", 1), ("grow", 2)]), restarts
-        assert_every_sample_once(s, data)
-        assert slurm.wait_job(joins[0], 60) == "COMPLETED"
-    finally:
-        slurm.start_slurmd("n2")
-        job.finish()
-        slurm.client("scontrol", "update", "nodename=n2", "state=resume", check=False)
-        slurm.wait_idle(["n2"], 120)
+def test_a_join_allocation_grows_the_job(slurm, data, tmp_path):
+    """A 2-node job; a second allocation (join.sbatch, 1 node) joins its Ray cluster after
+    the first checkpoint: the job grows to world size 3 and finishes; the joining job
+    ends with it."""
+    job = Job(slurm, tmp_path, "-N", "2", "-w", "n1,n2", TRAIN, *overrides(data, *ELASTIC))
+    job.wait_for("a registered checkpoint", lambda: job.registered_steps(), timeout=240)
+    join = slurm.sbatch("-N", "1", "-w", "n3", "-c", "3", JOIN, job.id, cwd=tmp_path)
+    assert job.finish() == "COMPLETED", job.output()[-6000:]
+    s = job.summary()
+    assert s["world_sizes"] == [2, 3]
+    assert [(e["cause"], e["world_size"]) for e in s["events"] if e["event"] == "restart"] == [
+        ("grow", 3)
+    ]
+    assert_every_sample_once(s, data)
+    assert slurm.wait_job(join, 60) == "COMPLETED"
 
 
 def test_usr1_checkpoints_at_once_and_the_requeued_job_resumes(slurm, data, tmp_path):

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from elastic.config.schema import PLACEMENT_STRATEGIES, TrainConfig
+from elastic.config.schema import PLACEMENT_STRATEGIES, DataConfig, TrainConfig
 from elastic.data.formats import data_format
 from elastic.errors import ConfigError
 from elastic.models import MODEL_SCHEMAS
@@ -25,8 +25,7 @@ def to_typed(cfg: DictConfig) -> TrainConfig:
     if missing:
         raise ConfigError(f"config key {missing[0]} has no value: set it, e.g. {missing[0]}=...")
     _reject_unknown_keys(cfg)
-    typed = OmegaConf.to_object(cfg)
-    assert isinstance(typed, TrainConfig)
+    typed = _library_classes(OmegaConf.to_object(cfg))
     _reject_non_finite(typed)
     sc = typed.scaling
     if sc.workers is not None:
@@ -35,6 +34,26 @@ def to_typed(cfg: DictConfig) -> TrainConfig:
         sc.min_workers = sc.max_workers = sc.workers
     validate(typed)
     return typed
+
+
+def _library_classes(typed: Any) -> TrainConfig:
+    """The config as the library's own classes, carrying only its format's settings.
+
+    Hydra built it from the schema of :func:`elastic.config.compose.train_schema`, whose
+    classes hold the settings of every registered format, plugins' too. A run sends its
+    config to every worker; if it held another plugin's settings, each worker would have
+    to import that plugin to unpickle a config that does not use it (a process that had
+    loaded a plugin then failed every later run). So the run carries a plain
+    :class:`DataConfig` with its own format's settings, if any, as ``data.<format>``."""
+    assert isinstance(typed, TrainConfig)
+    data = typed.data
+    base = {f.name for f in dataclasses.fields(DataConfig)}
+    plain = DataConfig(**{name: getattr(data, name) for name in base})
+    if data.format in {f.name for f in dataclasses.fields(data)} - base:
+        setattr(plain, data.format, getattr(data, data.format))
+    out = TrainConfig(**{f.name: getattr(typed, f.name) for f in dataclasses.fields(TrainConfig)})
+    out.data = plain
+    return out
 
 
 def _reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:

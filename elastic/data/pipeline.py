@@ -1,8 +1,11 @@
 """Shards -> Ray Data (driver side): read, decode in ``map_batches``, and the cache and
-block-size decisions. Each format's decoder comes from :mod:`elastic.data.formats`."""
+block-size decisions. Each format's decoder comes from :mod:`elastic.data.formats`.
+:func:`planned_dataset` is a rank's own read of chosen row groups (the world-size
+independent plan of :mod:`elastic.data.order`; not yet used by the loop)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pyarrow as pa
@@ -109,3 +112,68 @@ def data_config(first_epoch: Any = None) -> Any:
             return output
 
     return LosslessDataConfig(execution_options=ExecutionOptions(preserve_order=True))
+
+
+def planned_dataset(cfg: DataConfig, files: list[str], reads: list[tuple[int, int]]) -> Any:
+    """A rank's read of the row groups ``reads`` ((file index, group) into ``files``, in
+    that order: :meth:`elastic.data.order.EpochPlan.reads`), decoded by the format's
+    decoder in Ray Data, each block tagged with the group it holds
+    (:data:`elastic.data.order.GROUP_COLUMNS`) for :class:`~elastic.data.order.SliceAssembler`.
+    One read task a row group; the blocks come out in the plan's order."""
+    import ray.data
+    from ray.data import ExecutionOptions
+
+    from elastic.data.order import GROUP_COLUMNS
+
+    columns = read_columns(cfg, pq.read_schema(files[0]))
+    source = _row_group_source(files, reads, columns)
+    ds = ray.data.read_datasource(source, override_num_blocks=max(1, len(reads)))
+    ds.context.execution_options = ExecutionOptions(preserve_order=True)
+    decode, kwargs = decoder(cfg, files[0])
+
+    def tagged(batch: pa.Table, **kw: Any) -> dict[str, Any]:
+        out = decode(batch.drop_columns(list(GROUP_COLUMNS)), **kw)
+        for name in GROUP_COLUMNS:
+            out[name] = batch[name].to_numpy()
+        return out
+
+    return ds.map_batches(tagged, batch_format="pyarrow", zero_copy_batch=True, fn_kwargs=kwargs)
+
+
+def _row_group_source(files: list[str], reads: list[tuple[int, int]], columns: list[str]) -> Any:
+    """A Ray Data datasource of the row groups ``reads``, one read task each, in order."""
+    from ray.data.block import BlockMetadata
+    from ray.data.datasource import Datasource, ReadTask
+
+    from elastic.data.order import GROUP_COLUMNS
+
+    def read(path: str, f: int, g: int) -> list[pa.Table]:
+        table = pq.ParquetFile(path).read_row_group(g, columns=columns)
+        n = table.num_rows
+        table = table.append_column(GROUP_COLUMNS[0], pa.array([f] * n, pa.int32()))
+        return [table.append_column(GROUP_COLUMNS[1], pa.array([g] * n, pa.int32()))]
+
+    class RowGroups(Datasource):
+        def estimate_inmemory_data_size(self) -> int | None:
+            return None
+
+        def get_read_tasks(
+            self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None
+        ) -> list[ReadTask]:
+            tasks = []
+            for f, g in reads:
+                meta = pq.read_metadata(files[f]).row_group(g)
+                tasks.append(
+                    ReadTask(
+                        functools.partial(read, files[f], f, g),
+                        BlockMetadata(
+                            num_rows=meta.num_rows,
+                            size_bytes=meta.total_byte_size,
+                            input_files=(files[f],),
+                            exec_stats=None,
+                        ),
+                    )
+                )
+            return tasks
+
+    return RowGroups()
