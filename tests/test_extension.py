@@ -85,6 +85,7 @@ def test_a_plugin_is_checked_before_ray_starts(tmp_path):
         (["+model.chanels=[4]"], {}, "unknown config key model.chanels"),
         (["+data.spectrum.paek=2"], {}, "unknown config key data.spectrum.paek"),
         (["data.spectrum.peak=-1"], {}, "data.spectrum.peak=-1.0 is not valid"),
+        (["data.spectrum.peak=nan"], {}, "data.spectrum.peak=nan is not valid"),
         ([], {"ELASTIC_PLUGINS": "spectra_plugni"}, "plugin 'spectra_plugni'"),
     ]:
         proc = _run(project, {**env, **extra_env}, tmp_path, *overrides)

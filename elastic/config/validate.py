@@ -25,8 +25,9 @@ def to_typed(cfg: DictConfig) -> TrainConfig:
     if missing:
         raise ConfigError(f"config key {missing[0]} has no value: set it, e.g. {missing[0]}=...")
     _reject_unknown_keys(cfg)
-    typed = _library_classes(OmegaConf.to_object(cfg))
-    _reject_non_finite(typed)
+    full = OmegaConf.to_object(cfg)
+    _reject_non_finite(full)  # every format's settings too
+    typed = _library_classes(full)
     sc = typed.scaling
     if sc.workers is not None:
         if sc.workers < 1:
