@@ -83,12 +83,12 @@ class EpochPlan:
             rng = np.random.default_rng([self.seed, self.epoch, 0x0ADE])
             groups = [groups[i] for i in rng.permutation(len(groups))]
         self._order = groups
-        self._starts = list(np.cumsum([0] + [n for _, _, n in groups]))
+        self._starts = [int(x) for x in np.cumsum([0] + [n for _, _, n in groups])]
 
     # -- the epoch's shape ------------------------------------------------------------
     @property
     def rows(self) -> int:
-        return int(self._starts[-1])
+        return self._starts[-1]
 
     def lane_range(self, lane: int) -> tuple[int, int]:
         """Lane ``lane``'s positions in the epoch's row order: [start, stop)."""
