@@ -350,3 +350,29 @@ def test_a_run_carries_only_its_own_formats_settings(tmp_path, monkeypatch):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr.decode()[-2000:]
     assert out.stdout.decode().split() == ["DataConfig", "array"]
+
+
+def test_a_formats_settings_reach_the_run_as_set(tmp_path):
+    """data.image.size=20 is what the image format decodes to in the run's typed config
+    (not the default 32): the settings survive every step from Hydra to the workers."""
+    import pickle
+
+    from elastic.data.formats import data_format
+    from elastic.datasets.images import convert, synthetic_folders
+
+    synthetic_folders(tmp_path / "raw", 40, 2, 24, seed=0)
+    convert(tmp_path / "raw", tmp_path / "img", val_fraction=0.25, shards=1)
+    cfg, name = compose(
+        [
+            "+experiment=images_resnet",
+            f"data.path={tmp_path}/img/train",
+            f"data.val_path={tmp_path}/img/val",
+            "data.image.size=20",
+            "data.image.channels=3",
+            "model.in_channels=3",
+            "model.output_dim=2",
+        ]
+    )
+    typed = pickle.loads(pickle.dumps(typed_config(cfg, name)))  # as a worker gets it
+    settings = data_format("image").settings_of(typed.data)
+    assert (settings.size, settings.channels, settings.augment_shift) == (20, 3, 1)

@@ -279,5 +279,9 @@ def resolve_paths(cfg: TrainConfig, base_dir: str) -> TrainConfig:
         path=absolute(cfg.data.path),
         val_path=absolute(cfg.data.val_path) if cfg.data.val_path else None,
     )
+    # replace() copies fields only: keep the format's settings (data.<format>), which
+    # to_typed attaches as an attribute; losing them ran image data at the default size
+    fields = {f.name for f in dataclasses.fields(cfg.data)}
+    data.__dict__.update({k: v for k, v in vars(cfg.data).items() if k not in fields})
     run = dataclasses.replace(cfg.run, storage_path=absolute(cfg.run.storage_path))
     return dataclasses.replace(cfg, data=data, run=run)
