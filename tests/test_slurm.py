@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import FAST_POLL, assert_every_epoch_once
+from conftest import assert_every_epoch_once
 from slurm_cluster import ENDED, SlurmCluster, missing_requirements
 
 from elastic.cluster.localcluster import REPO, RunFiles
@@ -71,7 +71,6 @@ def overrides(data, *extra: str) -> list[str]:
         "scaling.cpus_per_worker=2",
         "scaling.placement_strategy=SPREAD",
         "scaling.resize_interval_s=2",
-        FAST_POLL,
         *extra,
     ]
 
