@@ -161,8 +161,9 @@ def _row_group_source(files: list[str], reads: list[tuple[int, int]], columns: l
             self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None
         ) -> list[ReadTask]:
             tasks = []
+            footers = {f: pq.read_metadata(files[f]) for f in {f for f, _ in reads}}
             for f, g in reads:
-                meta = pq.read_metadata(files[f]).row_group(g)
+                meta = footers[f].row_group(g)
                 tasks.append(
                     ReadTask(
                         functools.partial(read, files[f], f, g),
