@@ -93,3 +93,34 @@ def assert_every_epoch_once(summary: dict, train_dir, epochs: int, rows: int) ->
     trained = state.ledger.trained_ids(state.ledger.last_closed_bitmap)
     ids = pq.read_table(train_dir, columns=["sample_id"])["sample_id"].to_numpy()
     np.testing.assert_array_equal(trained, np.sort(ids))
+
+
+def planned_digests(train_dir, data_settings: dict, steps: int) -> dict[int, int]:
+    """What every step's ``train/batch_digest`` must be, computed apart from any run: each
+    epoch's plan applied to the shards' sample ids, read with pyarrow (``data_settings``:
+    the run's DataConfig values that fix the row order, e.g. global_batch_size, lanes)."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from elastic.config.schema import DataConfig
+    from elastic.data.ids import ids_digest
+    from elastic.data.order import Layout
+    from elastic.data.reader import epoch_plan
+    from elastic.data.shards import check_dataset
+
+    cfg = DataConfig(path=str(train_dir), **data_settings)
+    split = check_dataset(cfg)["train"]
+    layout = Layout(split.row_groups)
+    ids = [
+        [pq.ParquetFile(f).read_row_group(g)["sample_id"].to_numpy() for g in range(len(groups))]
+        for f, groups in zip(split.files, split.row_groups, strict=True)
+    ]
+    out: dict[int, int] = {}
+    step = epoch = 0
+    while step < steps:
+        plan = epoch_plan(cfg, layout, epoch)
+        for s in range(min(plan.steps, steps - step)):
+            step += 1
+            out[step] = ids_digest(np.array([ids[f][g][r] for f, g, r in plan.batch(s)]))
+        epoch += 1
+    return out

@@ -145,15 +145,18 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["strategy.zero_stage=4"], "strategy.zero_stage=4"),
         (["scaling.min_workers=3", "scaling.max_workers=2"], "scaling.min_workers=3"),
         (["scaling.min_workers=0"], "scaling.min_workers=0"),
-        (["data.global_batch_size=127"], "data.global_batch_size=127"),
-        (["data.micro_batch_size=48"], "data.global_batch_size=128"),
+        (["data.global_batch_size=1"], "scaling.max_workers=2 > data.global_batch_size=1"),
+        (["data.lanes=129"], "data.lanes=129 is not valid: use 1..data.global_batch_size"),
+        (["data.shuffle_window_rows=0"], "data.shuffle_window_rows=0 is not valid"),
         ([*real, "data.path=/nonexistent/shards"], "data.path=/nonexistent/shards"),
         ([*real, f"data.path={empty}"], "no .parquet files"),
         ([*real, f"data.path={no_target}", "data.val_path=null"], "no column 'y'"),
         ([*real, f"data.path={corrupt}", "data.val_path=null"], "not a readable Parquet"),
         ([*real, f"data.path={mixed}", "data.val_path=null"], "part-1.parquet has column 'x'"),
         (["strategy.precision=fp8"], "strategy.precision"),
-        (["scaling.batch_policy=nearest"], "scaling.batch_policy"),
+        # keys of the data path before world-size-independent batches, named with their fate
+        (["scaling.batch_policy=adjust"], "'scaling.batch_policy=adjust' is retired: it is gone"),
+        (["+data.shuffle_buffer_rows=5"], "data.shuffle_buffer_rows is retired: it is data.shu"),
         (["scaling.max_failures=-2"], "scaling.max_failures=-2"),
         (["scaling.start_timeout_s=0"], "scaling.start_timeout_s=0"),
         (
@@ -264,23 +267,9 @@ def test_cli_exits_2_before_ray_starts(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-def test_strict_batch_policy_lists_the_world_sizes_that_work(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        preflight(
-            [
-                "+experiment=smoke",
-                f"run.storage_path={tmp_path}",
-                "scaling.min_workers=1",
-                "scaling.max_workers=4",
-                "data.global_batch_size=128",
-            ]
-        )
-    err = capsys.readouterr().err.strip()
-    assert "world size 3 of 1..4 (it does at 1, 2, 4)" in err, err
-    assert "scaling.batch_policy=adjust" in err
-
-
-def test_adjust_batch_policy_accepts_any_world_size(tmp_path):
+def test_every_world_size_in_range_takes_the_global_batch_as_it_is(tmp_path):
+    """No world size of 1..4 has to divide the global batch: slices differ by a row, and
+    each is cut into micro batches no larger than data.micro_batch_size."""
     from elastic.train.batch import BatchPlan
 
     cfg, name = compose(
@@ -289,14 +278,17 @@ def test_adjust_batch_policy_accepts_any_world_size(tmp_path):
             f"run.storage_path={tmp_path}",
             "scaling.min_workers=1",
             "scaling.max_workers=4",
-            "scaling.batch_policy=adjust",
+            "data.micro_batch_size=20",
         ]
     )
     t = typed_config(cfg, name)
-    plans = {w: BatchPlan.for_policy("adjust", 128, w) for w in range(1, 5)}
-    assert {w: p.global_batch_size for w, p in plans.items()} == {1: 128, 2: 128, 3: 129, 4: 128}
-    assert plans[3].lr_scale == 129 / 128 and not plans[2].adjusted
-    assert t.scaling.batch_policy == "adjust"
+    assert t.data.lanes == 32  # data.lanes=0: 8 a worker at scaling.max_workers
+    for world in range(1, 5):
+        plan = BatchPlan.for_world(128, world, 20)
+        largest = -(-128 // world)
+        assert plan.micro_batch_size <= 20
+        assert plan.micro_batch_size * plan.grad_accum_steps >= largest
+        assert plan.micro_batch_size * (plan.grad_accum_steps - 1) < largest  # no idle micro
 
 
 def test_recovery_knobs_become_ray_train_environment(tmp_path):

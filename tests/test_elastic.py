@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
-from conftest import FAST_POLL, assert_every_epoch_once
+from conftest import FAST_POLL, assert_every_epoch_once, planned_digests
 
 from elastic.cluster.localcluster import RayCluster, Run, saving_pids
 
@@ -74,30 +75,47 @@ def _assert_loss_continues(run: Run, resume_step: int) -> None:
     assert abs(again - first) < 0.5 * (initial - first), (resume_step, first, again, initial)
 
 
-def test_node_dies_then_joins(cluster, data, tmp_path):
-    """2 workers on 2 nodes; a node is killed -> the run goes on with 1; a node joins ->
-    it grows back to 2; every sample of every epoch trained once; the loss continues;
-    one W&B run (offline) tells the story."""
+def test_a_worker_killed_a_node_lost_and_one_joined_train_the_same_batches(cluster, data, tmp_path):
+    """2 workers on 2 nodes; a worker process is killed -> the group restarts at 2; a
+    node is killed -> the run goes on with 1; a node joins -> it grows back to 2. Every
+    step trains the rows the plan gives it (each step's ids digest equals the plan's,
+    computed apart from the run: the same global batches as an undisturbed run), every
+    sample of every epoch once, the loss continues; one W&B run (offline) tells the
+    story."""
     c = cluster(2)
     overrides = _overrides(
         data, "scaling.min_workers=1", "scaling.max_workers=2", "scaling.cpus_per_worker=3"
     )
     overrides[overrides.index("logger=none")] = "logger=wandb"
     run = Run(tmp_path, "shrink-grow", overrides, c.address)
+    run.wait_checkpoint()
+    killed = time.time()
+    os.kill(c.train_worker_pids()[0], signal.SIGKILL)
+    run.wait_step(killed, restarted=True)
     run.shrink_then_grow(lambda: c.remove_node(c.nodes[0]), c.add_node, 1, 2)
     assert run.finish() == 0, run.output()[-5000:]
     s = run.summary()
     assert s["status"] == "finished"
     assert s["world_sizes"] == [2, 1, 2]
     restarts = [e for e in s["events"] if e["event"] == "restart"]
-    assert [(e["cause"], e["world_size"]) for e in restarts] == [("shrink", 1), ("grow", 2)]
+    assert [(e["cause"], e["world_size"]) for e in restarts] == [
+        ("failure", 2),
+        ("shrink", 1),
+        ("grow", 2),
+    ]
     resumes = [e for e in s["events"] if e["event"] == "resume"]
     assert [(e["from_world_size"], e["world_size"], e["resharded"]) for e in resumes] == [
+        (2, 2, False),
         (2, 1, True),
         (1, 2, True),
     ]
     assert_every_epoch_once(s, data / "train", EPOCHS, ROWS)
-    _assert_loss_continues(run, resumes[0]["step"])
+    steps = EPOCHS * ROWS // BATCH
+    trained = {r["step"]: r["train/batch_digest"] for r in run.records() if "train/loss" in r}
+    lanes = 8 * 2  # data.lanes=0: 8 a worker at scaling.max_workers=2
+    planned = planned_digests(data / "train", {"global_batch_size": BATCH, "lanes": lanes}, steps)
+    assert trained == planned
+    _assert_loss_continues(run, resumes[1]["step"])
     _assert_one_wandb_run(s, starts=len([e for e in s["events"] if e["event"] == "world_size"]))
 
 
@@ -124,11 +142,12 @@ def _assert_one_wandb_run(summary: dict, starts: int) -> None:
     rows = [row for r in runs for row in history(r)]
     sizes = [row["train/world_size"] for row in rows if "train/world_size" in row]
     assert [w for i, w in enumerate(sizes) if i == 0 or sizes[i - 1] != w] == [2, 1, 2]
-    assert sum(1 for row in rows if "event/restart" in row) == 2
-    assert sum(1 for row in rows if "event/resume" in row) == 2
+    assert sum(1 for row in rows if "event/restart" in row) == 3
+    assert sum(1 for row in rows if "event/resume" in row) == 3
     alerts = [a for r in runs for a in _alerts(r)]
-    assert [a.title for a in alerts] == ["shrink-grow: restart"] * 2
-    assert "cause=shrink" in alerts[0].text and "cause=grow" in alerts[1].text
+    assert [a.title for a in alerts] == ["shrink-grow: restart"] * 3
+    causes = ["cause=failure", "cause=shrink", "cause=grow"]
+    assert all(c in a.text for c, a in zip(causes, alerts, strict=True))
     phases = {"data_wait", "forward", "backward", "optimizer", "checkpoint"}
     logged = [row for row in rows if "train/loss" in row]
     assert all({f"time/{p}_share" for p in phases} <= set(row) for row in logged)

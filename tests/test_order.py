@@ -38,18 +38,18 @@ def test_every_row_is_in_exactly_one_global_batch_of_the_epoch(lanes):
     assert all(0 < n < B for n in sizes[full:])
 
 
-def test_the_global_batch_is_the_same_at_every_world_size():
-    p = plan(lanes=8)
+@pytest.mark.parametrize("lanes", [1, 5, 8, 48])
+def test_the_global_batch_is_the_same_at_every_world_size(lanes):
+    """Any world size up to the global batch, dividing it or not: the ranks' slices, in
+    rank order, are the global batch, and differ by at most one row."""
+    p = plan(lanes=lanes)
     for step in range(p.steps):
-        expected = sorted(p.batch(step))
-        for world in range(1, 9):
+        expected = p.batch(step)
+        for world in (1, 2, 3, 5, 7, 8, 13, 48):
             slices = [p.slice(step, r, world) for r in range(world)]
-            union = [r for s in slices for r in s]
-            assert sorted(union) == expected, (step, world)
-            assert len(union) == len(set(union))
-            if step < p.steps - 1:  # full steps: slices differ by at most one lane's quota
-                sizes = [len(s) for s in slices]
-                assert max(sizes) - min(sizes) <= max(p.quota(c) for c in range(8))
+            assert [r for s in slices for r in s] == expected, (step, world)
+            sizes = [len(s) for s in slices]
+            assert max(sizes) - min(sizes) <= 1
 
 
 def test_the_order_is_fixed_by_seed_and_epoch_and_new_every_epoch():
@@ -78,9 +78,10 @@ def test_without_shuffling_lanes_are_contiguous_runs_of_the_files():
         assert p.lane_rows(lane, 0, stop - start) == rows[start:stop]
 
 
-@pytest.mark.parametrize("world,from_step", [(1, 0), (3, 0), (3, 5), (8, 9), (2, 14)])
+@pytest.mark.parametrize("world,from_step", [(1, 0), (3, 0), (3, 5), (8, 9), (2, 14), (7, 3)])
 def test_a_rank_reads_what_it_trains_from_the_resume_step_and_little_more(world, from_step):
     p = plan(lanes=8, window=40)
+    read_rows = 0
     for rank in range(world):
         reads = p.reads(rank, world, from_step)
         assert len(reads) == len(set(reads))
@@ -88,24 +89,24 @@ def test_a_rank_reads_what_it_trains_from_the_resume_step_and_little_more(world,
             (f, g) for step in range(from_step, p.steps) for f, g, _ in p.slice(step, rank, world)
         }
         assert needed <= set(reads), (rank, needed - set(reads))
-        # nothing from windows that are over before the resume step
-        lanes = p.rank_lanes(rank, world)
-        live = set()
-        for c in lanes:
-            start, stop = p.lane_range(c)
-            first = min(stop - start, from_step * p.quota(c))
-            lo = start + (first // p.window) * p.window
-            live |= {(f, g) for f, g, _ in (p._row_at(i) for i in range(lo, stop))}
-        assert set(reads) <= live
+        read_rows += sum(LAYOUT.rows[f][g] for f, g in reads)
         # in the order they are first trained, give or take one window (a window's
         # groups are all read when its first row is needed: its rows are permuted)
         first: dict[tuple[int, int], int] = {}
         for step in range(from_step, p.steps):
             for f, g, _ in p.slice(step, rank, world):
                 first.setdefault((f, g), step)
-        slack = -(-p.window // min(p.quota(c) for c in lanes))
+        slack = -(-p.window // min(p.quota(c) for c in range(p.lanes)))
         steps = [first[fg] for fg in reads if fg in first]
         assert all(a <= b + slack for i, a in enumerate(steps) for b in steps[i + 1 :]), steps
+    # little more: the ranks together read the rows left to train, plus what neighbours
+    # share at their boundaries (a window and a row group each side) and the windows
+    # the resume step is in
+    left = sum(len(p.batch(s)) for s in range(from_step, p.steps))
+    biggest = max(n for rows in LAYOUT.rows for n in rows)
+    assert read_rows <= left + (2 * (world - 1) + p.lanes) * (p.window + biggest)
+    if from_step == 0 and world == 1:
+        assert read_rows == p.rows  # alone, a rank reads each row group once
 
 
 def test_the_layout_comes_from_the_parquet_footers(tmp_path):
@@ -122,8 +123,8 @@ def test_the_layout_comes_from_the_parquet_footers(tmp_path):
 def test_impossible_plans_are_refused():
     with pytest.raises(ValueError, match="lanes=49"):
         plan(lanes=49)
-    with pytest.raises(ValueError, match="world size 9"):
-        plan(lanes=8).slice(0, 0, 9)
+    with pytest.raises(ValueError, match="world size 49"):
+        plan(lanes=8).slice(0, 0, 49)
     with pytest.raises(ValueError, match="window=0"):
         plan(window=0)
 
@@ -138,22 +139,15 @@ def test_a_different_lane_count_is_another_order():
     )
 
 
-def _blocks(p: EpochPlan, reads, split: bool = True):
-    """Decoded row groups as a reader would deliver them: in the read plan's order, each
-    group in two blocks, sample_id = a number of (file, group, row)."""
+def _groups(p: EpochPlan, reads):
+    """Decoded row groups as the reader delivers them: whole, in the read plan's order,
+    sample_id = a number of (file, group, row)."""
     import numpy as np
 
     for f, g in reads:
         n = p.layout.rows[f][g]
         ids = np.array([f * 1_000_000 + g * 1_000 + r for r in range(n)], np.int64)
-        cuts = [0, n // 2, n] if split and n > 1 else [0, n]
-        for a, b in itertools.pairwise(cuts):
-            yield {
-                "__file": np.full(b - a, f),
-                "__group": np.full(b - a, g),
-                "sample_id": ids[a:b],
-                "x": ids[a:b, None].astype(np.float32) * [1.0, -1.0],
-            }
+        yield f, g, {"sample_id": ids, "x": ids[:, None].astype(np.float32) * [1.0, -1.0]}
 
 
 @pytest.mark.parametrize("world,from_step", [(1, 0), (3, 0), (3, 6), (8, 14)])
@@ -163,7 +157,7 @@ def test_a_rank_assembles_its_slices_from_the_row_groups_it_reads(world, from_st
     p = plan(lanes=8, window=40)
     for rank in range(world):
         asm = SliceAssembler(p, rank, world, from_step)
-        got = list(asm.steps(_blocks(p, p.reads(rank, world, from_step))))
+        got = list(asm.steps(_groups(p, p.reads(rank, world, from_step))))
         assert [s for s, _ in got] == list(range(from_step, p.steps))
         for step, batch in got:
             want = [f * 1_000_000 + g * 1_000 + r for f, g, r in p.slice(step, rank, world)]
@@ -180,46 +174,55 @@ def test_blocks_that_do_not_match_the_plan_are_refused():
     p = plan(lanes=8)
     reads = p.reads(0, 1)
     with pytest.raises(ValueError, match="the data ended before row group"):
-        list(SliceAssembler(p, 0, 1).steps(_blocks(p, reads[:-1])))
-    doubled = list(_blocks(p, reads[:1], split=False)) * 2
+        list(SliceAssembler(p, 0, 1).steps(_groups(p, reads[:-1])))
+    doubled = list(_groups(p, reads[:1])) * 2
     with pytest.raises(ValueError, match="read twice"):
         list(SliceAssembler(p, 0, 1).steps(iter(doubled)))
+    f, g, cols = next(_groups(p, reads[:1]))
+    short = [(f, g, {k: v[:-1] for k, v in cols.items()})]
+    with pytest.raises(ValueError, match="rows read"):
+        list(SliceAssembler(p, 0, 1).steps(iter(short)))
 
 
 @pytest.mark.parametrize("from_step", [0, 3])
 def test_ray_data_reads_a_ranks_row_groups_into_its_slices(tmp_path, ray_session, from_step):
     """The real read path: each rank's row groups of real Parquet shards through Ray Data
-    (one read task a group, decoded by the format's decoder), assembled into its slices:
-    the sample ids and inputs the plan names, read back independently with pyarrow."""
+    (one read task a group, decoded by the format's decoder, read ahead in the reader's
+    thread), assembled into its slices: the sample ids and inputs the plan names, read
+    back independently with pyarrow."""
     import numpy as np
     import pyarrow.parquet as pq
 
     from elastic.config.schema import DataConfig
-    from elastic.data.order import SliceAssembler
-    from elastic.data.pipeline import planned_dataset
+    from elastic.data.reader import PlannedReader, epoch_plan
     from elastic.data.shards import check_dataset
     from elastic.datasets.synthetic import generate
 
     generate(str(tmp_path / "train"), None, 700, 0, 4, 8, 2, seed=5)
     for path in (tmp_path / "train").glob("*.parquet"):
         pq.write_table(pq.read_table(path), path, row_group_size=60)
-    cfg = DataConfig(path=str(tmp_path / "train"))
-    files = check_dataset(cfg)["train"].files
-    p = EpochPlan(Layout.of_files(files), seed=1, epoch=2, global_batch=32, lanes=4, window=50)
-    tables = [pq.ParquetFile(f) for f in files]
+    cfg = DataConfig(
+        path=str(tmp_path / "train"), global_batch_size=32, lanes=4, shuffle_window_rows=50, seed=1
+    )
+    split = check_dataset(cfg)["train"]
+    layout = Layout(split.row_groups)
+    assert layout == Layout.of_files(split.files)
+    p = epoch_plan(cfg, layout, epoch=2)
+    tables = [pq.ParquetFile(f) for f in split.files]
 
     def truth(f: int, g: int, r: int) -> tuple[int, list[float]]:
         row = tables[f].read_row_group(g).slice(r, 1).to_pylist()[0]
         return row["sample_id"], row["x"]
 
     for rank in range(2):
-        reads = p.reads(rank, 2, from_step)
-        blocks = planned_dataset(cfg, files, reads).iter_batches(
-            batch_size=None, batch_format="numpy"
+        reader = PlannedReader(
+            cfg, split.files, layout, rank, 2, first_epoch=2, first_step=from_step, epochs=1
         )
-        got = list(SliceAssembler(p, rank, 2, from_step).steps(blocks))
-        assert [s for s, _ in got] == list(range(from_step, p.steps))
-        for step, batch in got:
+        got = list(reader.epoch(2, from_step))
+        assert len(got) == p.steps - from_step
+        for step, batch in enumerate(got, start=from_step):
             want = [truth(*row) for row in p.slice(step, rank, 2)]
-            assert batch["sample_id"].tolist() == [i for i, _ in want], (rank, step)
-            np.testing.assert_array_equal(batch["x"], np.array([x for _, x in want], np.float32))
+            assert batch.sample_id.tolist() == [i for i, _ in want], (rank, step)
+            np.testing.assert_array_equal(batch.x, np.array([x for _, x in want], np.float32))
+            assert batch.global_rows == len(p.batch(step))
+        reader.close()

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import assert_every_epoch_once, small_overrides, train
+from conftest import assert_every_epoch_once, planned_digests, small_overrides, train
 
 from elastic.train.driver import read_events
 
@@ -122,15 +122,14 @@ def test_wandb_offline_run_holds_the_logged_metrics(small_data, tmp_path):
 
 
 def test_cached_epochs_train_exactly_as_streamed_ones(small_data, tmp_path):
-    """The train split fits data.cache_mb, so epochs after the first come from each
-    worker's memory; with data.cache_mb=0 every epoch is read again through Ray Data.
-    With the files in shard order every epoch, the same rows in the same order: the same
-    losses to the bit, every epoch trained once."""
+    """The train split fits data.cache_mb, so each worker keeps every row group it reads
+    and later epochs come from its memory; with data.cache_mb=0 every epoch is read
+    again through Ray Data. The plan is the same: the same losses to the bit, every
+    epoch trained once."""
     common = [
         "trainer.max_steps=0",
         "trainer.max_epochs=3",
         "logger=none",
-        "data.shuffle_files=false",
     ]
     runs = {}
     for name, cache in (("cached", "data.cache_mb=512"), ("streamed", "data.cache_mb=0")):
@@ -194,26 +193,82 @@ def _eventually(check, timeout: float = 15.0) -> bool:
     return True
 
 
-def test_adjust_policy_keeps_training_where_the_batch_does_not_split(small_data, tmp_path):
-    """3 workers cannot split a global batch of 64: scaling.batch_policy=adjust trains
-    with 63 and a learning rate scaled by 63/64, and says so in the events."""
-    summary = train(
-        small_overrides(
-            small_data,
-            tmp_path,
-            "scaling.min_workers=3",
-            "scaling.max_workers=3",
-            "scaling.batch_policy=adjust",
-            "trainer.max_steps=4",
-            "logger=none",
-            "run.name=adjust",
-        )
+def _records(run_dir) -> dict[int, dict]:
+    """The last metrics record of every logged step (a step trained again after a
+    restart is logged again; the last one is what the surviving model saw)."""
+    out = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if "train/loss" in rec:
+                out[rec["step"]] = rec
+    return out
+
+
+def test_every_world_size_trains_the_same_batches_and_a_resize_resumes_them(small_data, tmp_path):
+    """The global batch is a function of (data, seed, epoch, step) alone: one worker,
+    and a run at 3 workers (which do not divide the batch of 64) stopped in the middle
+    of its first epoch and resumed at 2, train the same rows at every step (their ids
+    digests equal the plan's, computed apart from the runs) with the same loss up to
+    fp32 summation order, and every sample of both epochs once."""
+    common = [
+        "trainer.max_steps=0",
+        "trainer.max_epochs=2",
+        "logger=none",
+        "checkpoint.every_steps=0",
+        "data.lanes=12",  # the row order's lanes, fixed: not derived from max_workers
+    ]
+    one = train(small_overrides(small_data, tmp_path, *common, "scaling.workers=1", "run.name=one"))
+    assert one["status"] == "finished" and one["steps"] == 32 and one["world_sizes"] == [1]
+    cut = [*common, "run.name=cut"]
+    stopped = train(
+        small_overrides(small_data, tmp_path, *cut, "scaling.workers=3", "trainer.stop_at_step=7")
     )
-    assert summary["status"] == "finished" and summary["world_sizes"] == [3]
-    [event] = [e for e in summary["events"] if e["event"] == "batch_policy"]
-    assert (event["requested_global_batch_size"], event["global_batch_size"]) == (64, 63)
-    assert event["lr_scale"] == 63 / 64
-    assert summary["samples_seen"] == 4 * 63
-    with open(os.path.join(tmp_path, "adjust", "metrics.jsonl")) as f:
-        lrs = {json.loads(line).get("train/lr") for line in f} - {None}
-    assert lrs == {1e-3 * 63 / 64}
+    assert stopped["status"] == "stopped" and stopped["world_sizes"] == [3]
+    resumed = train(small_overrides(small_data, tmp_path, *cut, "scaling.workers=2"))
+    assert resumed["status"] == "finished" and resumed["steps"] == 32
+    assert resumed["world_sizes"] == [3, 2]
+    assert_every_epoch_once(resumed, small_data / "train", epochs=2, rows=1000)
+
+    planned = planned_digests(small_data / "train", {"global_batch_size": 64, "lanes": 12}, 32)
+    by_one, by_cut = _records(tmp_path / "one"), _records(tmp_path / "cut")
+    assert {s: r["train/batch_digest"] for s, r in by_one.items()} == planned
+    assert {s: r["train/batch_digest"] for s, r in by_cut.items()} == planned
+    worst = max(
+        abs(by_cut[s]["train/loss"] - by_one[s]["train/loss"]) / abs(by_one[s]["train/loss"])
+        for s in planned
+    )
+    assert worst < 1e-4, worst  # fp32 sums in another order; another batch differs by ~10%
+
+
+def test_a_resume_on_shards_that_changed_is_refused_in_one_line(small_data, tmp_path):
+    """Shards added, removed or rewritten between a checkpoint and its resume would
+    re-map the epoch's rows: the resume ends before Ray starts, naming the shard."""
+    import shutil
+
+    from elastic.errors import CheckpointError
+
+    data = tmp_path / "data"
+    shutil.copytree(small_data, data)
+    run = ["logger=none", "checkpoint.every_steps=0", "run.name=changing"]
+    stopped = train(small_overrides(data, tmp_path, *run, "trainer.stop_at_step=3"))
+    assert stopped["status"] == "stopped"
+    shard = sorted((data / "train").glob("*.parquet"))[-1]
+    moved = shutil.move(shard, tmp_path / shard.name)
+    with pytest.raises(CheckpointError, match=rf"{shard.name} is gone.*restore the shards"):
+        train(small_overrides(data, tmp_path, *run))
+    shutil.copy(moved, data / "train" / "part-99999.parquet")
+    with pytest.raises(CheckpointError, match="part-99999.parquet is new"):
+        train(small_overrides(data, tmp_path, *run))
+    os.remove(data / "train" / "part-99999.parquet")
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(moved)
+    pq.write_table(table.slice(0, table.num_rows - 1), shard)  # one row fewer
+    with pytest.raises(CheckpointError, match=rf"{shard.name} holds {table.num_rows - 1} rows"):
+        train(small_overrides(data, tmp_path, *run))
+    shutil.copy(moved, shard)  # as it was: the run resumes
+    mid = small_overrides(data, tmp_path, *run, "data.global_batch_size=32")
+    with pytest.raises(CheckpointError, match=r"data.global_batch_size=32 \(was 64\)"):
+        train(mid)
+    assert train(small_overrides(data, tmp_path, *run))["status"] == "finished"

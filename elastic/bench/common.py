@@ -22,14 +22,17 @@ def smoke_config(extra: list[str]):
     return typed_config(cfg, name)
 
 
-def train(overrides: list[str], steps: int, workdir: str, label: str) -> tuple[list, dict]:
-    """Train ``steps`` steps through launch/run.py (log every 10, no checkpoints, no
-    W&B) under ``workdir``; the run's metrics.jsonl records and its summary.json."""
+def train(
+    overrides: list[str], steps: int, workdir: str, label: str, log_every: int = 10
+) -> tuple[list, dict]:
+    """Train ``steps`` steps through launch/run.py (log every ``log_every``, no
+    checkpoints, no W&B) under ``workdir``; the run's metrics.jsonl records and its
+    summary.json."""
     name = f"{label}-{time.time_ns()}"
     out = Path(workdir) / name
     cmd = [
         sys.executable, str(REPO / "launch/run.py"), *overrides, f"trainer.max_steps={steps}",
-        "trainer.log_every_steps=10", "checkpoint.every_steps=0", "logger=none",
+        f"trainer.log_every_steps={log_every}", "checkpoint.every_steps=0", "logger=none",
         "trainer.progress=off", f"run.storage_path={workdir}", f"run.name={name}",
         f"hydra.run.dir={out}/hydra",
     ]  # fmt: skip

@@ -18,9 +18,6 @@ IMPORTED = (
     "ray.train.v2._internal.constants:ENABLE_PREEMPTION_WATCHER_ENV_VAR",
     "ray._private.worker:get_dashboard_url",
     "ray.train.v2._internal.execution.context:get_train_context",
-    "ray.experimental.internal_kv:_internal_kv_put",
-    "ray.experimental.internal_kv:_internal_kv_get",
-    "ray.experimental.internal_kv:_internal_kv_del",
     "ray.train.torch.config:_TorchBackend",
     "ray.train.torch.config:_set_torch_distributed_env_vars",
     "ray._private.ray_constants:ENABLE_RAY_CLUSTER",
@@ -62,25 +59,6 @@ def worker_preemption_context() -> Any:
     from ray.train.v2._internal.execution.context import get_train_context
 
     return get_train_context().preemption_context
-
-
-def kv_put(key: bytes, value: bytes) -> None:
-    """The GCS key-value store (usable from an async actor, unlike a call to ours)."""
-    from ray.experimental.internal_kv import _internal_kv_put
-
-    _internal_kv_put(key, value, overwrite=True)
-
-
-def kv_get(key: bytes) -> bytes | None:
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    return _internal_kv_get(key)
-
-
-def kv_del(key: bytes) -> None:
-    from ray.experimental.internal_kv import _internal_kv_del
-
-    _internal_kv_del(key)
 
 
 def torch_backend() -> tuple[type, Any]:

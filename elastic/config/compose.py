@@ -18,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from elastic.config.schema import DataConfig, TrainConfig
+from elastic.config.schema import RETIRED_KEYS, DataConfig, TrainConfig
 from elastic.config.validate import resolve_paths, to_typed
 from elastic.errors import EXIT_USER_ERROR, ConfigError
 from elastic.models import MODEL_SCHEMAS
@@ -93,6 +93,9 @@ def _hydra_message(e: Exception, overrides: list[str], search: list[str] | None 
         msg = getattr(cause, "msg", str(cause)).splitlines()[0]
         if "not in struct" in msg or "Could not override" in text:
             override = text.split("'", 2)[1] if "'" in text else key
+            retired = RETIRED_KEYS.get(override.split("=", 1)[0].lstrip("+~"))
+            if retired:
+                return f"config key in override {override!r} is retired: {retired}"
             return (
                 f"unknown config key in override {override!r}: check its spelling against "
                 "the README's config keys"

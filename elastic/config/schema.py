@@ -33,10 +33,12 @@ class DataConfig:
     val_path: str | None = None
     """Directory of validation Parquet shards; null = no validation."""
     global_batch_size: int = 64
-    """Samples per optimizer step, summed over all workers; kept at every world size."""
+    """Samples per optimizer step, summed over all workers: the same rows at every world
+    size from 1 to this number (data.lanes), which need not divide it."""
     micro_batch_size: int | None = None
-    """Per-worker forward batch; the per-worker share (global / world size) must be a
-    multiple of it, the rest is gradient accumulation. null = the whole share at once."""
+    """Largest forward batch per worker: a worker's slice of a step (the global batch
+    over the world size, give or take a row) is cut into as many micro batches as the
+    largest slice needs (gradient accumulation). null = the whole slice at once."""
     input_column: str = "x"
     target_column: str = "y"
     format: str = "array"
@@ -46,27 +48,29 @@ class DataConfig:
     settings are the keys data.<format>.* (e.g. data.image.size): see
     :func:`elastic.config.compose.train_schema`."""
     seed: int = 0
-    """Seed of the data's randomness (row order, augmentation)."""
-    shuffle_files: bool = True
-    """Read the train split's shards in an order fixed by data.seed and the epoch, new
-    every epoch (so the workers' shares change too); epochs replayed from the worker
-    cache (data.cache_mb) take its blocks in an order fixed by data.seed, the epoch and
-    the rank. false = shard order every epoch."""
-    shuffle_buffer_rows: int = 1024
-    """Each worker mixes its rows through a buffer of this many decoded rows, in an order
-    fixed by data.seed, the epoch and the worker's rank (a resume at the same world size
-    replays it exactly); a new order every epoch. Memory: rows x decoded row size. 0 =
-    rows in shard order (converters already write rows in a seeded random order)."""
-    block_size_mb: float = 1.0
-    """Largest Ray Data block. Blocks are the unit the workers' splits are dealt in, so
-    small blocks keep the workers' shares even (Ray reads small shards as one block);
-    small datasets get smaller blocks still, at least 8 per worker."""
+    """Seed of the data's randomness (every epoch's row order, augmentation)."""
+    shuffle: bool = True
+    """A new row order every epoch, fixed by data.seed and the epoch: the row groups in a
+    shuffled order, the rows of each lane's windows permuted (data.shuffle_window_rows).
+    false = the shards' own order every epoch."""
+    lanes: int = 0
+    """Canonical lanes the epoch's rows are dealt into (README "When a node dies or
+    joins"): every global batch takes the same rows of every lane whatever the world
+    size, so the lane count is part of the run's row order (set it to compare runs of
+    different scaling.max_workers). A worker holds and reads about lanes / world size + 1
+    lanes; a lane split between two workers is read by both. 0 = 8 x
+    scaling.max_workers, at most data.global_batch_size."""
+    shuffle_window_rows: int = 256
+    """Rows of a lane permuted together (a seekable shuffle: a resume finds its rows from
+    the Parquet footers). Memory: each worker holds, decoded, a window and a row group
+    for each of its lanes. 1 = each lane's rows in shard order."""
     prefetch_mb: float = 128.0
-    """Per-worker read-ahead buffer; it also hides the start of the next epoch."""
+    """Per-worker read-ahead buffer of decoded row groups; it also hides the start of the
+    next epoch."""
     cache_mb: float = 512.0
-    """Keep each worker's decoded share of the train split in memory after the first
-    epoch when the split's uncompressed size over ``scaling.min_workers`` is at most this
-    (MiB): later epochs then read nothing. 0 streams every epoch."""
+    """When the whole train split, decoded, is at most this (MiB), each worker keeps
+    every row group it decodes: it reads each one once per run, and later epochs come
+    from memory. 0 streams every epoch."""
     synthetic: SyntheticDataConfig | None = None
     """Set for generated data: the dataset is written to ``path`` when it is missing."""
 
@@ -92,6 +96,16 @@ class StrategyConfig:
     gradient_clipping: float = 0.0
 
 
+RETIRED_KEYS = {
+    # key: what became of it (named when a config or command line still sets it)
+    "data.shuffle_files": "it is data.shuffle now",
+    "data.shuffle_buffer_rows": "it is data.shuffle_window_rows now (rows permuted together "
+    "in each lane)",
+    "data.block_size_mb": "it is gone: Ray Data reads one row group a block",
+    "scaling.batch_policy": "it is gone: every world size up to data.global_batch_size trains "
+    "the same global batch, whether or not it divides it",
+}
+
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
@@ -110,10 +124,6 @@ class ScalingConfig:
     """How workers are placed on nodes (Ray placement group strategy): PACK fills a node
     first, SPREAD puts them on as many nodes as it can (one worker per node on a batch
     allocation), STRICT_PACK / STRICT_SPREAD insist."""
-    batch_policy: str = "strict"
-    """strict: every world size in min..max must split data.global_batch_size (a config
-    error lists those that do); adjust: a world size that cannot gets the nearest global
-    batch it can split, with the learning rate scaled linearly (logged as an event)."""
     max_failures: int = 10
     """Worker/node failures to recover from (Ray's FailureConfig); -1 = no limit.
     Preemptions (node drains) are not counted against it."""

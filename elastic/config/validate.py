@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from elastic.config.schema import PLACEMENT_STRATEGIES, DataConfig, TrainConfig
+from elastic.config.schema import PLACEMENT_STRATEGIES, RETIRED_KEYS, DataConfig, TrainConfig
 from elastic.data.formats import data_format
 from elastic.errors import ConfigError
 from elastic.models import MODEL_SCHEMAS
@@ -67,6 +67,8 @@ def _reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
     names = {f.name for f in dataclasses.fields(schema)}
     for key in node:
         full = f"{prefix}{key!s}"
+        if key not in names and full in RETIRED_KEYS:
+            raise ConfigError(f"config key {full} is retired: {RETIRED_KEYS[full]}")
         if key not in names:
             raise ConfigError(
                 f"unknown config key {full}: no such key in {schema.__name__} (a typo? a key "
@@ -102,21 +104,6 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key}={value} is not valid: it must be {bound}")
 
 
-def valid_world_sizes(cfg: TrainConfig) -> list[int]:
-    """World sizes in min..max that split the global batch into whole micro batches."""
-    from elastic.train.batch import BatchPlan
-
-    sizes = range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1)
-    ok = []
-    for w in sizes:
-        try:
-            BatchPlan.for_world(cfg.data.global_batch_size, w, cfg.data.micro_batch_size)
-        except ValueError:
-            continue
-        ok.append(w)
-    return ok
-
-
 def validate(cfg: TrainConfig) -> None:
     """Reject every value the run could not use, naming the key and the fix."""
     s, sc, d, t, o = cfg.strategy, cfg.scaling, cfg.data, cfg.trainer, cfg.optim
@@ -136,13 +123,12 @@ def validate(cfg: TrainConfig) -> None:
     _positive("scaling.cpus_per_worker", sc.cpus_per_worker)
     _positive("data.global_batch_size", d.global_batch_size)
     data_format(d.format).check(d, cfg.model)
-    _positive("data.block_size_mb", d.block_size_mb)
     _positive("data.prefetch_mb", d.prefetch_mb)
     _positive("data.cache_mb", d.cache_mb, allow_zero=True)
-    _positive("data.shuffle_buffer_rows", d.shuffle_buffer_rows, allow_zero=True)
+    _positive("data.shuffle_window_rows", d.shuffle_window_rows)
     if d.micro_batch_size is not None:
         _positive("data.micro_batch_size", d.micro_batch_size)
-    _allowed("scaling.batch_policy", sc.batch_policy, ("strict", "adjust"))
+    _check_lanes(cfg)
     _allowed("scaling.placement_strategy", sc.placement_strategy, PLACEMENT_STRATEGIES)
     if sc.max_failures < -1:
         raise ConfigError(f"scaling.max_failures={sc.max_failures}: use -1 (no limit) or >= 0")
@@ -155,18 +141,6 @@ def validate(cfg: TrainConfig) -> None:
         "node_refresh_s",
     ):
         _positive(f"scaling.{key}", getattr(sc, key))
-    sizes = range(sc.min_workers, sc.max_workers + 1)
-    ok = valid_world_sizes(cfg)
-    bad = [w for w in sizes if w not in ok]
-    if bad and sc.batch_policy == "strict":
-        works = f"it does at {', '.join(map(str, ok))}" if ok else "it does at none of them"
-        raise ConfigError(
-            f"data.global_batch_size={d.global_batch_size} does not split into whole micro "
-            f"batches (micro_batch_size={d.micro_batch_size}) at world size "
-            f"{', '.join(map(str, bad))} of {sc.min_workers}..{sc.max_workers} ({works}): "
-            f"use a multiple of {_lcm_hint(cfg)}, narrow the scaling range, or set "
-            "scaling.batch_policy=adjust"
-        )
     if not str(d.path).strip():
         raise ConfigError("data.path is empty: set data.path=/dir/with/parquet/shards")
     _positive("trainer.max_steps", t.max_steps, allow_zero=True)
@@ -214,6 +188,32 @@ def validate(cfg: TrainConfig) -> None:
     cfg.model.validate()
 
 
+LANES_PER_WORKER = 8
+"""data.lanes=0: this many lanes per worker at scaling.max_workers. A lane split between
+two workers is read by both, so the ranks together read at most (lanes + N - 1) / lanes
+of the data (<= 1.125 here), and a worker holds about lanes / N + 1 lanes."""
+
+
+def _check_lanes(cfg: TrainConfig) -> None:
+    """Every world size in range must have rows to train, and the lanes must fit the
+    global batch; ``data.lanes=0`` becomes the run's lane count here, once, so every
+    worker and every checkpoint sees the number the row order was made with."""
+    d, sc = cfg.data, cfg.scaling
+    if sc.max_workers > d.global_batch_size:
+        raise ConfigError(
+            f"scaling.max_workers={sc.max_workers} > data.global_batch_size="
+            f"{d.global_batch_size}: a worker would have no rows to train; raise the global "
+            "batch or lower scaling.max_workers"
+        )
+    if d.lanes == 0:
+        d.lanes = min(d.global_batch_size, LANES_PER_WORKER * sc.max_workers)
+    if not 1 <= d.lanes <= d.global_batch_size:
+        raise ConfigError(
+            f"data.lanes={d.lanes} is not valid: use 1..data.global_batch_size "
+            f"({d.global_batch_size}), or 0 for the default"
+        )
+
+
 # Ray refuses a smaller object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES)
 OBJECT_STORE_MINIMUM_MB = 75
 
@@ -255,16 +255,6 @@ def _check_target(cfg: TrainConfig) -> None:
                 f"metrics.target={target} is checked at validations, which run only at the "
                 "end with trainer.val_every_steps=0: set trainer.val_every_steps (e.g. 50)"
             )
-
-
-def _lcm_hint(cfg: TrainConfig) -> int:
-    import math
-
-    micro = cfg.data.micro_batch_size or 1
-    lcm = 1
-    for w in range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1):
-        lcm = math.lcm(lcm, w * micro)
-    return lcm
 
 
 def resolve_paths(cfg: TrainConfig, base_dir: str) -> TrainConfig:

@@ -1,8 +1,7 @@
-"""Global batches that do not depend on the world size (issue 16): the plan.
+"""Global batches that do not depend on the world size: which rows form every step.
 
-Not yet used by the training loop, which still takes Ray Data's dynamic split; this is
-the part that decides which rows form every global batch, kept pure so it can be
-checked without Ray. What it guarantees:
+Pure (no Ray, no I/O beyond the Parquet footers), so it can be checked against an
+independent enumeration. What it guarantees:
 
 - An epoch's rows are dealt into ``lanes`` canonical lanes that do not depend on the
   world size: the split's row groups in an order fixed by (seed, epoch), concatenated,
@@ -11,27 +10,34 @@ checked without Ray. What it guarantees:
   (seed, epoch, lane, window). Shuffling is therefore seekable: the rows of any step
   are found from the Parquet metadata alone, with nothing read and thrown away.
 - Global batch ``s`` takes rows ``[s*q_c, (s+1)*q_c)`` of every lane ``c``, where
-  ``q_c = B // lanes`` (+1 for the first ``B % lanes`` lanes). It is a function of
-  (split, seed, epoch, step) alone.
-- At world size N, rank r trains the lanes ``c % N == r``: its slice of the global
-  batch. Any N from 1 to ``lanes`` takes the same global batches. Slices differ by at
-  most one lane's quota. A rank reads only its lanes' row groups: what it trains, and at
-  most a row group's worth more at each end of each lane.
+  ``q_c = B // lanes`` (+1 for the first ``B % lanes`` lanes), lane after lane. It is a
+  function of (split, seed, epoch, step) alone.
+- At world size N, rank r trains rows ``[G*r//N, G*(r+1)//N)`` of that list (G: the
+  step's rows): its slice. Any N from 1 to B takes the same global batches, and slices
+  differ by at most one row, whether or not N divides B. Since a rank's rows come from a
+  contiguous run of lanes (the same ones every full step), it reads a contiguous part of
+  the epoch's row-group order: what it trains, plus the row groups it shares with its
+  neighbours at each end, and the rest of the windows it resumes in.
+
+``lanes`` sets what a rank holds and reads: about ``lanes / N + 1`` lanes, each with a
+window and a row group in memory. ``lanes >= N`` keeps every lane's rows on one or two
+ranks; fewer lanes than ranks make ranks share lanes (each reads the lane's row groups).
 
 A row is named by (file index, row group, row in the group), in the split's sorted
-file order.
+file order; inside the plan by its *position* in the epoch's row order.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Iterator
+import os
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 Row = tuple[int, int, int]  # (file index, row group, row within the group)
+Group = tuple[int, int]  # (file index, row group)
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,8 @@ class EpochPlan:
     window: int = 1024
     shuffle: bool = True
     _order: list[tuple[int, int, int]] = field(init=False, repr=False)
-    _starts: list[int] = field(init=False, repr=False)
+    _starts: np.ndarray = field(init=False, repr=False)
+    _perms: dict[int, tuple[int, np.ndarray]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.lanes <= self.global_batch:
@@ -83,174 +90,323 @@ class EpochPlan:
             rng = np.random.default_rng([self.seed, self.epoch, 0x0ADE])
             groups = [groups[i] for i in rng.permutation(len(groups))]
         self._order = groups
-        self._starts = [int(x) for x in np.cumsum([0] + [n for _, _, n in groups])]
+        self._starts = np.cumsum([0] + [n for _, _, n in groups], dtype=np.int64)
+        self._perms = {}  # per lane: its latest window's permutation
+        c = np.arange(self.lanes, dtype=np.int64)
+        self._lane_start = self.rows * c // self.lanes
+        self._lane_size = self.rows * (c + 1) // self.lanes - self._lane_start
+        self._quota = self.global_batch // self.lanes + (c < self.global_batch % self.lanes)
 
     # -- the epoch's shape ------------------------------------------------------------
     @property
     def rows(self) -> int:
-        return self._starts[-1]
+        return int(self._starts[-1])
 
     def lane_range(self, lane: int) -> tuple[int, int]:
         """Lane ``lane``'s positions in the epoch's row order: [start, stop)."""
-        return self.rows * lane // self.lanes, self.rows * (lane + 1) // self.lanes
+        start = int(self._lane_start[lane])
+        return start, start + int(self._lane_size[lane])
 
     def quota(self, lane: int) -> int:
         """Rows lane ``lane`` gives to every full step."""
-        return self.global_batch // self.lanes + (lane < self.global_batch % self.lanes)
+        return int(self._quota[lane])
 
     @property
     def steps(self) -> int:
         """Steps in the epoch (the last ones smaller where lanes run out)."""
-        longest = 0
-        for c in range(self.lanes):
-            start, stop = self.lane_range(c)
-            longest = max(longest, -(-(stop - start) // self.quota(c)))
-        return longest
+        return int((-(-self._lane_size // self._quota)).max())
 
-    # -- rows -------------------------------------------------------------------------
-    def lane_rows(self, lane: int, first: int, last: int) -> list[Row]:
-        """Rows ``first`` to ``last`` (exclusive) of lane ``lane``, in training order."""
-        start, stop = self.lane_range(lane)
-        size = stop - start
-        first, last = max(0, first), min(size, last)
-        out: list[Row] = []
-        window = -1
-        perm: np.ndarray = np.zeros(0, np.int64)
-        for i in range(first, last):
-            w, offset = divmod(i, self.window)
-            if w != window:
-                window = w
-                length = min(self.window, size - w * self.window)
-                if self.shuffle:
-                    rng = np.random.default_rng([self.seed, self.epoch, lane, w, 0x1A7E])
-                    perm = rng.permutation(length)
-                else:
-                    perm = np.arange(length)
-            out.append(self._row_at(start + w * self.window + int(perm[offset])))
+    def global_rows(self, step: int) -> int:
+        """Rows of global batch ``step`` (the global batch, less at the epoch's tail)."""
+        left = np.clip(self._lane_size - step * self._quota, 0, self._quota)
+        return int(left.sum())
+
+    # -- slices -----------------------------------------------------------------------
+    @property
+    def full_steps(self) -> int:
+        """Steps in which every lane gives its whole quota (all but the epoch's tail)."""
+        return int((self._lane_size // self._quota).min())
+
+    def _counts(self, step: int) -> np.ndarray:
+        return np.clip(self._lane_size - step * self._quota, 0, self._quota)
+
+    def bounds(self, step: int, rank: int, world: int) -> tuple[int, int]:
+        """Rank ``rank``'s rows of global batch ``step``: [lo, hi) of its lane-by-lane list."""
+        if not 1 <= world <= self.global_batch:
+            raise ValueError(
+                f"world size {world} must be between 1 and the global batch ({self.global_batch})"
+            )
+        rows = self.global_rows(step)
+        return rows * rank // world, rows * (rank + 1) // world
+
+    def slice_ranges(self, step: int, rank: int, world: int) -> list[tuple[int, int, int]]:
+        """Rank ``rank``'s slice of step ``step`` as (lane, first, last) ranges of lane rows."""
+        lo, hi = self.bounds(step, rank, world)
+        counts = self._counts(step)
+        ends = np.cumsum(counts)
+        out = []
+        c = int(np.searchsorted(ends, lo, side="right"))
+        while c < self.lanes and lo < hi:
+            begin = int(ends[c] - counts[c])
+            take = min(hi, int(ends[c])) - max(lo, begin)
+            if take > 0:
+                first = step * self.quota(c) + max(lo, begin) - begin
+                out.append((c, first, first + take))
+            lo = max(lo, int(ends[c]))
+            c += 1
         return out
 
-    def _row_at(self, position: int) -> Row:
-        k = bisect.bisect_right(self._starts, position) - 1
+    def slice_positions(self, step: int, rank: int, world: int) -> np.ndarray:
+        """Epoch positions of rank ``rank``'s slice of step ``step``, in training order."""
+        parts = [self.positions(c, a, b) for c, a, b in self.slice_ranges(step, rank, world)]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def _spans(self, rank: int, world: int, from_step: int) -> list[tuple[int, range, int, int]]:
+        """What rank ``rank`` trains from ``from_step`` to the epoch's end, as
+        (lane, steps, a, b): lane rows ``s*q + [a, b)`` of every step s in ``steps``. The
+        full steps take the same sub-ranges of the same lanes each step (one span a lane);
+        the tail, where lanes run out and the slices move, one span a lane a step."""
+        out = []
+        full = self.full_steps
+        if from_step < full:
+            for c, first, last in self.slice_ranges(from_step, rank, world):
+                q = self.quota(c)
+                out.append((c, range(from_step, full), first - from_step * q, last - from_step * q))
+        for step in range(max(from_step, full), self.steps):
+            for c, first, last in self.slice_ranges(step, rank, world):
+                q = self.quota(c)
+                out.append((c, range(step, step + 1), first - step * q, last - step * q))
+        return out
+
+    # -- positions --------------------------------------------------------------------
+    def positions(self, lane: int, first: int, last: int) -> np.ndarray:
+        """Epoch positions of rows ``first`` to ``last`` (exclusive) of lane ``lane``, in
+        training order."""
+        size = int(self._lane_size[lane])
+        first, last = max(0, first), min(size, last)
+        return self.positions_of(lane, np.arange(first, max(first, last), dtype=np.int64))
+
+    def positions_of(self, lane: int, rows: np.ndarray) -> np.ndarray:
+        """Epoch positions of lane rows ``rows`` (ascending) of lane ``lane``."""
+        start, stop = self.lane_range(lane)
+        size = stop - start
+        out = np.empty(len(rows), np.int64)
+        if not len(rows):
+            return out
+        windows = rows // self.window
+        cuts = np.flatnonzero(np.diff(windows)) + 1
+        for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(rows)], strict=True):
+            w = int(windows[a])
+            perm = self._perm(lane, w, min(self.window, size - w * self.window))
+            out[a:b] = start + w * self.window + perm[rows[a:b] - w * self.window]
+        return out
+
+    def _perm(self, lane: int, w: int, length: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(length, dtype=np.int64)
+        cached = self._perms.get(lane)
+        if cached is None or cached[0] != w:
+            rng = np.random.default_rng([self.seed, self.epoch, lane, w, 0x1A7E])
+            cached = self._perms[lane] = (w, rng.permutation(length).astype(np.int64))
+        return cached[1]
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(index into the epoch's group order, row within that group) of each position."""
+        k = np.searchsorted(self._starts, positions, side="right") - 1
+        return k, positions - self._starts[k]
+
+    def group(self, k: int) -> Group:
+        """The (file, row group) at index ``k`` of the epoch's group order."""
         f, g, _ = self._order[k]
-        return f, g, position - self._starts[k]
+        return f, g
+
+    def _rows(self, positions: np.ndarray) -> list[Row]:
+        k, r = self.locate(positions)
+        return [(*self.group(int(a)), int(b)) for a, b in zip(k, r, strict=True)]
+
+    def _row_at(self, position: int) -> Row:
+        return self._rows(np.array([position], np.int64))[0]
+
+    # -- rows (for checks and tools: the loop works with positions) -------------------
+    def lane_rows(self, lane: int, first: int, last: int) -> list[Row]:
+        """Rows ``first`` to ``last`` (exclusive) of lane ``lane``, in training order."""
+        return self._rows(self.positions(lane, first, last))
 
     def batch(self, step: int) -> list[Row]:
         """Global batch ``step`` (0-based in the epoch), lane by lane."""
-        return [r for c in range(self.lanes) for r in self._lane_step(c, step)]
-
-    def rank_lanes(self, rank: int, world: int) -> list[int]:
-        if not 1 <= world <= self.lanes:
-            raise ValueError(f"world size {world} must be between 1 and lanes={self.lanes}")
-        return list(range(rank, self.lanes, world))
+        return self._rows(self.slice_positions(step, 0, 1))
 
     def slice(self, step: int, rank: int, world: int) -> list[Row]:
         """Rank ``rank``'s part of global batch ``step`` at world size ``world``."""
-        return [r for c in self.rank_lanes(rank, world) for r in self._lane_step(c, step)]
-
-    def _lane_step(self, lane: int, step: int) -> list[Row]:
-        q = self.quota(lane)
-        return self.lane_rows(lane, step * q, (step + 1) * q)
+        return self._rows(self.slice_positions(step, rank, world))
 
     # -- what to read -----------------------------------------------------------------
-    def reads(self, rank: int, world: int, from_step: int = 0) -> list[tuple[int, int]]:
+    def reads(self, rank: int, world: int, from_step: int = 0) -> list[Group]:
         """The row groups (file, group) rank ``rank`` must read to train from step
         ``from_step`` to the end of the epoch, in the order it first needs them: the
-        windows of its lanes from the resume position on, each window's groups once."""
-        needed: dict[tuple[int, int], tuple[int, int]] = {}
-        for c in self.rank_lanes(rank, world):
+        windows its slices touch from the resume step on, each window's groups once (a
+        window's rows are permuted: it is read whole at the step of its first row)."""
+        needed: dict[Group, tuple[int, int]] = {}
+        for c, steps, a, b in self._spans(rank, world, from_step):
             start, stop = self.lane_range(c)
-            size, q = stop - start, self.quota(c)
-            first = min(size, from_step * q)
-            for w in range(first // self.window, -(-size // self.window)):
+            q = self.quota(c)
+            lo_row, hi_row = steps[0] * q + a, steps[-1] * q + b  # lane rows touched
+            for w in range(lo_row // self.window, (hi_row - 1) // self.window + 1):
+                # the first step whose rows [s*q + a, s*q + b) reach into window w
+                when = (max(steps[0], (w * self.window - b) // q + 1), c)
                 lo = start + w * self.window
                 hi = min(stop, lo + self.window)
-                k = bisect.bisect_right(self._starts, lo) - 1
-                while k < len(self._order) and self._starts[k] < hi:
-                    f, g, _ = self._order[k]
-                    # a window is needed whole at the step of its first row
-                    when = (max(first, w * self.window) // q, c)
-                    needed[(f, g)] = min(needed.get((f, g), when), when)
-                    k += 1
+                k0 = int(np.searchsorted(self._starts, lo, side="right")) - 1
+                k1 = int(np.searchsorted(self._starts, hi, side="left"))
+                for k in range(k0, k1):
+                    fg = self.group(k)
+                    needed[fg] = min(needed.get(fg, when), when)
         return [fg for fg, _ in sorted(needed.items(), key=lambda kv: kv[1])]
 
+    def rows_left(self, rank: int, world: int, from_step: int = 0) -> dict[Group, int]:
+        """How many rows of each row group rank ``rank`` trains from ``from_step`` on."""
+        parts = []
+        for c, steps, a, b in self._spans(rank, world, from_step):
+            at = np.arange(steps.start, steps.stop, dtype=np.int64)
+            rows = (at[:, None] * self.quota(c) + np.arange(a, b)[None, :]).reshape(-1)
+            parts.append(self.positions_of(c, rows))
+        if not parts:
+            return {}
+        k, _ = self.locate(np.concatenate(parts))
+        counts = np.bincount(k, minlength=len(self._order))
+        return {self.group(int(i)): int(counts[i]) for i in np.flatnonzero(counts)}
 
-GROUP_COLUMNS = ("__file", "__group")  # which row group a decoded block's rows come from
+
+# -- the data a plan was made for, as a checkpoint keeps it -----------------------------
+def plan_record(
+    files: Sequence[str],
+    layout: Layout,
+    global_batch: int,
+    lanes: int,
+    window: int,
+    seed: int,
+    shuffle: bool,
+) -> dict[str, Any]:
+    """What fixes every global batch of a run: the split's files and row groups, and the
+    plan's settings. Kept in each checkpoint; a resume compares it with the data now."""
+    return {
+        "files": [os.path.basename(f) for f in files],
+        "row_groups": [list(r) for r in layout.rows],
+        "global_batch_size": global_batch,
+        "lanes": lanes,
+        "window": window,
+        "seed": seed,
+        "shuffle": shuffle,
+    }
 
 
+SETTING_KEYS = {
+    "global_batch_size": "data.global_batch_size",
+    "lanes": "data.lanes",
+    "window": "data.shuffle_window_rows",
+    "seed": "data.seed",
+    "shuffle": "data.shuffle",
+}
+
+
+def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """The first way the split in ``now`` differs from the one in ``saved`` (two
+    :func:`plan_record` results), in words, or None when it is the same data."""
+    before = dict(zip(saved["files"], saved["row_groups"], strict=True))
+    after = dict(zip(now["files"], now["row_groups"], strict=True))
+    gone = [f for f in before if f not in after]
+    new = [f for f in after if f not in before]
+    for names, what in ((gone, "is gone"), (new, "is new")):
+        if names:
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            return f"shard {names[0]} {what}{more}"
+    for name, groups in before.items():
+        if list(after[name]) != list(groups):
+            return (
+                f"shard {name} holds {sum(after[name])} rows in {len(after[name])} row "
+                f"group(s), {sum(groups)} in {len(groups)} when the checkpoint was written"
+            )
+    return None
+
+
+def setting_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The plan settings that differ, as ``key=now (was saved)``."""
+    return [
+        f"{key}={now[name]} (was {saved[name]})"
+        for name, key in SETTING_KEYS.items()
+        if saved.get(name) != now[name]
+    ]
+
+
+# -- worker side ----------------------------------------------------------------------
 class SliceAssembler:
-    """Worker side: decoded row groups in, this rank's slice of each global batch out.
+    """Decoded row groups in, this rank's slice of each global batch out.
 
-    Blocks arrive in the order of :meth:`EpochPlan.reads` (a group may come in several
-    blocks, its rows in file order), each with the columns :data:`GROUP_COLUMNS` saying
-    which group it holds. :meth:`steps` yields ``(step, batch)`` from ``from_step`` to
-    the end of the epoch, each batch the rows of :meth:`EpochPlan.slice` in that order,
-    and drops a group once this rank has trained all of its rows that it owns."""
+    Groups arrive whole, as ``(file, group, columns)``, in the order of
+    :meth:`EpochPlan.reads`. :meth:`steps` yields ``(step, batch)`` from ``from_step`` to
+    the end of the epoch, each batch the rows of :meth:`EpochPlan.slice` in that order
+    (``{}`` where this rank has none at that step: the epoch's tail), and drops a group
+    once this rank has trained all of its rows that it owns."""
 
     def __init__(self, plan: EpochPlan, rank: int, world: int, from_step: int = 0) -> None:
         self.plan, self.rank, self.world, self.from_step = plan, rank, world, from_step
-        self._parts: dict[tuple[int, int], list[dict[str, np.ndarray]]] = {}
-        self._groups: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-        self._left: dict[tuple[int, int], int] = {}
-        self._complete: set[tuple[int, int]] = set()
-        for step in range(from_step, plan.steps):
-            for f, g, _ in plan.slice(step, rank, world):
-                self._left[(f, g)] = self._left.get((f, g), 0) + 1
+        self._left = plan.rows_left(rank, world, from_step)
+        self._groups: dict[Group, dict[str, np.ndarray]] = {}
+        self._seen: set[Group] = set()
 
     @property
     def held_groups(self) -> int:
         """Row groups in memory now (decoded, not yet fully trained)."""
-        return len(self._groups) + len(self._parts)
+        return len(self._groups)
 
-    def steps(self, blocks: Any) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-        blocks = iter(blocks)
-        for step in range(self.from_step, self.plan.steps):
-            rows = self.plan.slice(step, self.rank, self.world)
-            for f, g, _ in rows:
-                while (f, g) not in self._groups:
-                    self._take(next(blocks, None), (f, g))
-            batch = self._gather(rows)
-            for f, g, _ in rows:
-                self._left[(f, g)] -= 1
-                if not self._left[(f, g)]:
-                    del self._groups[(f, g)]
-            yield step, batch
+    def steps(
+        self, groups: Iterable[tuple[int, int, dict[str, np.ndarray]]]
+    ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        source = iter(groups)
+        plan = self.plan
+        for step in range(self.from_step, plan.steps):
+            k, r = plan.locate(plan.slice_positions(step, self.rank, self.world))
+            distinct, inverse, counts = np.unique(k, return_inverse=True, return_counts=True)
+            wanted = [plan.group(int(i)) for i in distinct]
+            for fg in wanted:
+                while fg not in self._groups:
+                    self._take(next(source, None), fg)
+            yield step, self._gather(wanted, inverse, r)
+            for fg, n in zip(wanted, counts, strict=True):
+                self._left[fg] -= int(n)
+                if not self._left[fg]:
+                    del self._groups[fg]
 
-    def _take(self, block: dict[str, np.ndarray] | None, waiting: tuple[int, int]) -> None:
-        if block is None:
+    def _take(self, item: tuple[int, int, dict[str, np.ndarray]] | None, waiting: Group) -> None:
+        if item is None:
             raise ValueError(
                 f"the data ended before row group {waiting[1]} of file {waiting[0]} came: "
-                "the read plan and the blocks read disagree"
+                "the read plan and the groups read disagree"
             )
-        f, g = int(block[GROUP_COLUMNS[0]][0]), int(block[GROUP_COLUMNS[1]][0])
-        if (f, g) in self._complete:
+        f, g, columns = item
+        if (f, g) in self._seen:
             raise ValueError(f"row group {g} of file {f} was read twice: the plan reads it once")
-        self._parts.setdefault((f, g), []).append(
-            {k: v for k, v in block.items() if k not in GROUP_COLUMNS}
-        )
-        have = sum(len(next(iter(p.values()))) for p in self._parts[(f, g)])
+        self._seen.add((f, g))
+        have = len(next(iter(columns.values())))
         expected = self.plan.layout.rows[f][g]
-        if have > expected:
-            raise ValueError(f"row group {g} of file {f}: {have} rows read, {expected} planned")
-        if have == expected:
-            self._complete.add((f, g))
-            parts = self._parts.pop((f, g))
-            if (f, g) in self._left:  # a group read for rows of windows not ours: dropped
-                self._groups[(f, g)] = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        if have != expected:
+            raise ValueError(
+                f"row group {g} of file {f}: {have} rows read, {expected} planned (the shard "
+                "changed while the run was reading it)"
+            )
+        if self._left.get((f, g)):  # else read only for rows of windows trained before
+            self._groups[(f, g)] = columns
 
-    def _gather(self, rows: list[Row]) -> dict[str, np.ndarray]:
-        """The rows, in this order; {} where this rank has none at this step (the tail of
-        an epoch: the loop sends its empty batch)."""
-        if not rows:
+    def _gather(
+        self, wanted: list[Group], inverse: np.ndarray, rows: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        if not len(rows):
             return {}
-        by_group: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
-        for pos, (f, g, r) in enumerate(rows):
-            at, idx = by_group.setdefault((f, g), ([], []))
-            at.append(pos)
-            idx.append(r)
-        first = self._groups[(rows[0][0], rows[0][1])]
+        first = self._groups[wanted[0]]
         out = {k: np.empty((len(rows), *v.shape[1:]), v.dtype) for k, v in first.items()}
-        for fg, (at, idx) in by_group.items():
+        for i, fg in enumerate(wanted):
+            at = np.flatnonzero(inverse == i)
             group = self._groups[fg]
-            for k in out:
-                out[k][at] = group[k][idx]
+            for key in out:
+                out[key][at] = group[key][rows[at]]
         return out

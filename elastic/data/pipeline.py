@@ -1,7 +1,6 @@
-"""Shards -> Ray Data (driver side): read, decode in ``map_batches``, and the cache and
-block-size decisions. Each format's decoder comes from :mod:`elastic.data.formats`.
-:func:`planned_dataset` is a rank's own read of chosen row groups (the world-size
-independent plan of :mod:`elastic.data.order`; not yet used by the loop)."""
+"""Shards -> Ray Data: a rank's read of the row groups its slices need
+(:func:`planned_dataset`, one read task a group, decoded in ``map_batches`` by the
+format's decoder from :mod:`elastic.data.formats`), and the cache decision."""
 
 from __future__ import annotations
 
@@ -37,15 +36,11 @@ def decoded_bytes(cfg: DataConfig, split: Split) -> int:
     return 0  # no rows at all
 
 
-def fits_cache(cfg: DataConfig, split: Split, min_workers: int) -> bool:
-    """Whether each worker's share of ``split``, decoded, fits ``data.cache_mb`` at any
-    world size."""
-    return decoded_bytes(cfg, split) <= cfg.cache_mb * 1024 * 1024 * min_workers
-
-
-def block_bytes(split_bytes: int, block_size_mb: float, max_workers: int) -> int:
-    """Block size cap: ``block_size_mb``, or less so there are >= 8 blocks per worker."""
-    return max(16 * 1024, min(int(block_size_mb * 1024 * 1024), split_bytes // (8 * max_workers)))
+def fits_cache(cfg: DataConfig, split: Split) -> bool:
+    """Whether ``split``, decoded, fits ``data.cache_mb``: then each worker keeps every
+    row group it decodes and reads each one once per run (a rank's share of an epoch
+    changes from epoch to epoch, so a worker may meet every group)."""
+    return decoded_bytes(cfg, split) <= cfg.cache_mb * 1024 * 1024
 
 
 def decoder(cfg: DataConfig, shard: str) -> tuple[Any, dict[str, Any]]:
@@ -55,79 +50,30 @@ def decoder(cfg: DataConfig, shard: str) -> tuple[Any, dict[str, Any]]:
     return decode, {"input_column": cfg.input_column, "target_column": cfg.target_column, **kwargs}
 
 
-def build_datasets(cfg: DataConfig, train: Split, max_workers: int) -> dict[str, Any]:
-    """The lazy Ray dataset of the train split, as Ray Train's ``datasets``. The
-    validation split is not one: each worker reads its share itself
-    (:func:`elastic.data.stream.val_blocks`)."""
-    import ray.data
-    from ray.data import FileShuffleConfig
-
-    # Ray 2.60's new Parquet reader spends 2-3 s in a ListFiles task at the start of
-    # every epoch, even for files listed explicitly; the previous reader starts in
-    # ~0.15 s (measured here). We already list and check the shards ourselves.
-    ctx = ray.data.DataContext.get_current()
-    use_v2, ctx.use_datasource_v2 = ctx.use_datasource_v2, False
-    columns = read_columns(cfg, pq.read_schema(train.files[0]))
-    # data.shuffle_files: a file order fixed by (data.seed, Ray Data's execution index),
-    # which data_config() sets to the epoch an execution reads
-    shuffle = FileShuffleConfig(seed=cfg.seed) if cfg.shuffle_files else None
-    try:
-        ds = ray.data.read_parquet(train.files, columns=columns, shuffle=shuffle)
-    finally:
-        ctx.use_datasource_v2 = use_v2
-    ds.context.target_max_block_size = block_bytes(train.bytes, cfg.block_size_mb, max_workers)
-    decode, kwargs = decoder(cfg, train.files[0])
-    train_ds = ds.map_batches(
-        decode, batch_format="pyarrow", zero_copy_batch=True, fn_kwargs=kwargs
-    )
-    return {"train": train_ds}
-
-
-def data_config(first_epoch: Any = None) -> Any:
-    """Ray Train DataConfig: deterministic, lossless splits.
-
-    ``preserve_order`` makes each worker's share and order the same run to run (which
-    makes resume at the same world size exact). ``equal=False`` because Ray's equal
-    split drops up to world_size - 1 rows per epoch, and we train every row:
-    :class:`StepStream` keeps workers in lock step when their shares differ.
-
-    ``first_epoch``: a callable giving the epoch the worker group starts in (rank 0 says,
-    before it asks for its shard). The train split's first execution then counts as that
-    epoch, so a shuffled file order is the epoch's, after a resume too. None: 0.
-    """
-    from ray.data import ExecutionOptions
-    from ray.train import DataConfig as RayDataConfig
-
-    class LosslessDataConfig(RayDataConfig):
-        def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
-            output: list[dict[str, Any]] = [{} for _ in range(world_size)]
-            for name, ds in datasets.items():
-                ds = ds.copy(ds, _deep_copy=True)  # its own context
-                ds.context.execution_options = self._resolve_execution_options(name)
-                if name == "train" and first_epoch is not None:
-                    # FileShuffleConfig seeds each execution by (seed, execution index)
-                    ds.context._execution_idx = int(first_epoch())
-                for i, split in enumerate(ds.streaming_split(world_size, equal=False)):
-                    output[i][name] = split
-            return output
-
-    return LosslessDataConfig(execution_options=ExecutionOptions(preserve_order=True))
-
-
-def planned_dataset(cfg: DataConfig, files: list[str], reads: list[tuple[int, int]]) -> Any:
+def planned_dataset(
+    cfg: DataConfig, files: list[str], reads: list[tuple[int, int]], node_id: str | None = None
+) -> Any:
     """A rank's read of the row groups ``reads`` ((file index, group) into ``files``, in
     that order: :meth:`elastic.data.order.EpochPlan.reads`), decoded by the format's
     decoder in Ray Data, each block tagged with the group it holds
-    (:data:`elastic.data.order.GROUP_COLUMNS`) for :class:`~elastic.data.order.SliceAssembler`.
-    One read task a row group; the blocks come out in the plan's order."""
+    (:data:`elastic.data.order.GROUP_COLUMNS`). One read task a row group; the blocks come
+    out in the plan's order. ``node_id``: run the tasks on that node where it has room
+    (the rank's own: its rows then never cross the network)."""
     import ray.data
     from ray.data import ExecutionOptions
 
     from elastic.data.order import GROUP_COLUMNS
 
+    remote_args: dict[str, Any] = {}
+    if node_id is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        remote_args["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=True)
     columns = read_columns(cfg, pq.read_schema(files[0]))
     source = _row_group_source(files, reads, columns)
-    ds = ray.data.read_datasource(source, override_num_blocks=max(1, len(reads)))
+    ds = ray.data.read_datasource(
+        source, override_num_blocks=max(1, len(reads)), ray_remote_args=remote_args
+    )
     ds.context.execution_options = ExecutionOptions(preserve_order=True)
     decode, kwargs = decoder(cfg, files[0])
 
@@ -137,7 +83,9 @@ def planned_dataset(cfg: DataConfig, files: list[str], reads: list[tuple[int, in
             out[name] = batch[name].to_numpy()
         return out
 
-    return ds.map_batches(tagged, batch_format="pyarrow", zero_copy_batch=True, fn_kwargs=kwargs)
+    return ds.map_batches(
+        tagged, batch_format="pyarrow", zero_copy_batch=True, fn_kwargs=kwargs, **remote_args
+    )
 
 
 def _row_group_source(files: list[str], reads: list[tuple[int, int]], columns: list[str]) -> Any:

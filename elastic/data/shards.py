@@ -157,11 +157,13 @@ def write_split(table: pa.Table, out: str | os.PathLike, shards: int, seed: int)
 
 @dataclass(frozen=True)
 class Split:
-    """A checked split: its shard files, rows, and uncompressed bytes (from the footers)."""
+    """A checked split: its shard files, rows, uncompressed bytes and each file's row
+    groups' rows (from the footers)."""
 
     files: list[str]
     rows: int
     bytes: int
+    row_groups: tuple[tuple[int, ...], ...] = ()
 
 
 def check_dataset(cfg: DataConfig) -> dict[str, Split]:
@@ -178,6 +180,7 @@ def check_dataset(cfg: DataConfig) -> dict[str, Split]:
     first_file = ""
     for split, key, path in splits:
         rows = size = 0
+        groups: list[tuple[int, ...]] = []
         files = list_shards(path, key)
         for f in files:
             try:
@@ -205,5 +208,6 @@ def check_dataset(cfg: DataConfig) -> dict[str, Split]:
                     )
             rows += meta.num_rows
             size += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
-        checked[split] = Split(files, rows, size)
+            groups.append(tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups)))
+        checked[split] = Split(files, rows, size, tuple(groups))
     return checked

@@ -40,7 +40,7 @@ def json_text(obj: Any, indent: int | None = None) -> str:
 FLUSH_S = 1.0
 # events worth a W&B alert: the job lost or regained workers, was stopped, or its batch
 # plan changed
-ALERTS = ("restart", "preempted", "node_drain", "batch_policy")
+ALERTS = ("restart", "preempted", "node_drain")
 
 
 def wandb_key_configured() -> bool:

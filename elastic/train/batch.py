@@ -1,12 +1,15 @@
 """Batch plan: world size is data.
 
-On every (re)start the loop derives micro batch and gradient accumulation from the
-world size it actually got, so the global batch the config asks for holds.
+Every global batch is the same rows at any world size (:mod:`elastic.data.order`); a
+worker's slice is the global batch over the world size, give or take a row. On every
+(re)start the loop derives from the world size it got how many micro batches a slice
+is cut into (gradient accumulation), so no forward pass exceeds
+``data.micro_batch_size``.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
@@ -14,58 +17,32 @@ class BatchPlan:
     global_batch_size: int
     world_size: int
     micro_batch_size: int
+    """The largest micro batch of any worker (slices may differ by a row)."""
     grad_accum_steps: int
-    requested_global_batch_size: int = 0
-    """What the config asked for (0: the same as global_batch_size)."""
-
-    @property
-    def lr_scale(self) -> float:
-        """Linear learning-rate scaling for an adjusted global batch (1.0 when kept)."""
-        requested = self.requested_global_batch_size or self.global_batch_size
-        return self.global_batch_size / requested
-
-    @property
-    def adjusted(self) -> bool:
-        return self.lr_scale != 1.0
-
-    @classmethod
-    def for_policy(
-        cls, policy: str, global_batch_size: int, world_size: int, micro: int | None = None
-    ) -> BatchPlan:
-        """``strict``: :meth:`for_world` (raises when the world size cannot hold the batch).
-        ``adjust``: the nearest global batch this world size splits into whole micro
-        batches (ties go to the larger), for a learning rate scaled by :attr:`lr_scale`."""
-        try:
-            return cls.for_world(global_batch_size, world_size, micro)
-        except ValueError:
-            if policy != "adjust":
-                raise
-        unit = world_size * (micro or 1)
-        nearest = max(unit, int(global_batch_size / unit + 0.5) * unit)
-        plan = cls.for_world(nearest, world_size, micro)
-        return replace(plan, requested_global_batch_size=global_batch_size)
-
-    @property
-    def per_worker(self) -> int:
-        """Samples one worker contributes to one optimizer step."""
-        return self.micro_batch_size * self.grad_accum_steps
 
     @classmethod
     def for_world(
         cls, global_batch_size: int, world_size: int, micro_batch_size: int | None = None
     ) -> BatchPlan:
-        """Raise ValueError when the global batch does not split into whole micro batches."""
-        if global_batch_size % world_size:
+        """Raise ValueError when the world is larger than the global batch (a worker
+        would have no rows)."""
+        if not 1 <= world_size <= global_batch_size:
             raise ValueError(
-                f"global batch {global_batch_size} does not split over {world_size} workers"
+                f"world size {world_size} must be between 1 and the global batch "
+                f"{global_batch_size}: every worker trains at least one row a step"
             )
-        per_worker = global_batch_size // world_size
-        micro = per_worker if micro_batch_size is None else micro_batch_size
-        if micro <= 0 or per_worker % micro:
-            raise ValueError(
-                f"per-worker batch {per_worker} is not a multiple of micro batch {micro}"
-            )
-        return cls(global_batch_size, world_size, micro, per_worker // micro)
+        largest = -(-global_batch_size // world_size)  # the largest slice
+        micro = largest if micro_batch_size is None else min(micro_batch_size, largest)
+        if micro <= 0:
+            raise ValueError(f"micro batch {micro} must be >= 1")
+        accum = -(-largest // micro)
+        return cls(global_batch_size, world_size, -(-largest // accum), accum)
+
+    @property
+    def deepspeed_batch_size(self) -> int:
+        """What DeepSpeed is told the global batch is (it insists on micro x accumulation
+        x world; the loss weighting makes the gradient the mean over the true rows)."""
+        return self.micro_batch_size * self.grad_accum_steps * self.world_size
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -73,6 +73,12 @@ class TrainerState:
     """Everything besides model and optimizer that a resumed run needs."""
 
     step: int = 0
+    epoch_start_step: int = 0
+    """The step the current epoch began after: the run is at step ``step -
+    epoch_start_step`` of the epoch's plan (:mod:`elastic.data.order`)."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """The data the batches are planned on (:func:`elastic.data.order.plan_record`); a
+    resume checks the data it finds against it."""
     samples_seen: int = 0
     loss_first: float | None = None
     loss_last: float | None = None

@@ -9,7 +9,6 @@ even when no checkpoint recorded the previous one.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -109,35 +108,3 @@ def node_drain_probe() -> Callable[[], bool]:
     except Exception:  # not inside a Ray Train V2 worker, or the internals moved
         return lambda: False
     return lambda: preemption.preemption_info is not None
-
-
-class FirstEpoch:
-    """The epoch a worker group starts in, from its rank 0 to the train split's
-    DataConfig (which runs in Ray Train's dataset actor when rank 0 first asks for its
-    shard), through the GCS key-value store: that actor is asynchronous, where a call to
-    our control actor would block its event loop. One key per fit(); picklable."""
-
-    def __init__(self, fit_id: str) -> None:
-        self.key = f"elastic/{fit_id}/first_epoch".encode()
-
-    def announce(self, epoch: int) -> None:
-        from elastic.cluster.ray_internals import kv_put
-
-        kv_put(self.key, str(epoch).encode())
-
-    def __call__(self) -> int:
-        from elastic.cluster.ray_internals import kv_get
-
-        value = kv_get(self.key)
-        if value is None:
-            raise RuntimeError(f"no first epoch under {self.key!r}: rank 0 announces it first")
-        return int(value)
-
-    def forget(self) -> None:
-        """Tidy-up only (the key is ~50 bytes; it goes with the cluster anyway): the
-        driver's KV client can be gone while Ray still runs (ray.cluster_utils.Cluster's
-        shutdown() resets it in its process: a test session, a notebook)."""
-        from elastic.cluster.ray_internals import kv_del
-
-        with contextlib.suppress(Exception):
-            kv_del(self.key)

@@ -9,15 +9,16 @@ import signal
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from elastic.config.schema import TrainConfig
-from elastic.data.pipeline import build_datasets, data_config, fits_cache
+from elastic.data.order import Layout, data_changes, setting_changes
+from elastic.data.pipeline import fits_cache
+from elastic.data.reader import data_record
 from elastic.data.shards import Split, check_dataset
-from elastic.errors import ConfigError, RunError
+from elastic.errors import CheckpointError, ConfigError, RunError
 from elastic.observe.metrics import (
     SESSION_END,
     SESSION_START,
@@ -31,7 +32,7 @@ from elastic.observe.metrics import (
 from elastic.observe.progress import DriverProgress, total_steps
 from elastic.observe.summary import Summary
 from elastic.observe.tracking import json_text
-from elastic.train.control import FirstEpoch, start_control
+from elastic.train.control import start_control
 from elastic.train.trainer import interruptible
 
 
@@ -70,22 +71,30 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     from elastic.cluster import connect as cluster
     from elastic.cluster import rendezvous
     from elastic.train import integrity
+    from elastic.train.checkpoint import read_state
     from elastic.train.loop import WorkerArgs, train_loop
 
     splits = prepare_data(cfg)
     out = run_dir(cfg)
-    # the checkpoint to resume from: intact and made for this model, or the run ends here
-    for warning in integrity.prepare_resume(out, cfg.model):
+    train_split = splits["train"]
+    layout = Layout(train_split.row_groups)
+    record = data_record(cfg.data, train_split.files, layout)
+    # the checkpoint to resume from: intact, made for this model and this data, or the
+    # run ends here
+    resume, warnings = integrity.prepare_resume(out, cfg.model)
+    for warning in warnings:
         print(f"[elastic] warning: {warning}", flush=True)
+    if resume is not None:
+        check_resume_data(read_state(resume), record, cfg.data.path, resume)
     # the run's time counts while a session runs (time to target; the report's clock)
     append_record(out, {"event": SESSION_START, "time": time.time(), "pid": os.getpid()})
     print(f"[elastic] run {cfg.run.name}: checkpoints and metrics in {out}", flush=True)
     rows = ", ".join(f"{s.rows} {name} rows" for name, s in splits.items())
     print(f"[elastic] dataset: {rows}")
     sc = cfg.scaling
-    cache_train = fits_cache(cfg.data, splits["train"], sc.min_workers)
+    cache_train = fits_cache(cfg.data, train_split)
     if cache_train:
-        print("[elastic] the train split fits data.cache_mb: read once, then from memory")
+        print("[elastic] the train split fits data.cache_mb: each row group read once a worker")
     workers: int | tuple[int, int] = (
         sc.min_workers if sc.min_workers == sc.max_workers else (sc.min_workers, sc.max_workers)
     )
@@ -97,9 +106,6 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
         check_resources(sc, ray.nodes())
         ray.data.DataContext.get_current().enable_progress_bars = False
         control = start_control()
-        # a streamed train split reads its files in the order of the epoch it is in
-        shuffled = cfg.data.shuffle_files and not cache_train
-        first_epoch = FirstEpoch(uuid.uuid4().hex) if shuffled else None
         trainer = interruptible(TorchTrainer)(
             train_loop,
             train_loop_config={
@@ -107,11 +113,13 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
                     cfg=cfg,
                     config_dict=config_dict,
                     run_dir=out,
+                    train_files=train_split.files,
+                    layout=layout,
+                    data_record=record,
                     cache_train=cache_train,
-                    train_rows=splits["train"].rows,
+                    train_rows=train_split.rows,
                     val_files=splits["val"].files if "val" in splits else [],
                     control=control,
-                    first_epoch=first_epoch,
                 )
             },
             scaling_config=ScalingConfig(
@@ -128,8 +136,6 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
                 failure_config=FailureConfig(max_failures=sc.max_failures),
             ),
-            datasets=build_datasets(cfg.data, splits["train"], sc.max_workers),
-            dataset_config=data_config(first_epoch),
             torch_config=rendezvous.torch_config(sc.use_gpu),
         )
         t = cfg.trainer
@@ -150,8 +156,6 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
         finally:
             display.close()
             append_record(out, {"event": SESSION_END, "time": time.time()})
-            if first_epoch is not None:
-                first_epoch.forget()
     metrics = result.metrics or {}
     records = read_records(out)
     events = [r for r in records if "event" in r]
@@ -170,6 +174,36 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
         time_to_target_s=time_to_target(records, target) if target else None,
     )
     return summary.to_dict()
+
+
+def check_resume_data(state: Any, now: dict[str, Any], path: str, checkpoint: str) -> None:
+    """A resumed run's batches are planned on the data its checkpoint names: shards
+    added, removed or rewritten since would re-map the epoch's rows without a word, so
+    they end the run here (before Ray starts), naming the shard; so does a change of the
+    plan's settings in the middle of an epoch (at an epoch's end they may change)."""
+    name = os.path.basename(checkpoint)
+    mid_epoch = state.step != state.epoch_start_step
+    if not state.data:
+        if mid_epoch:
+            raise CheckpointError(
+                f"checkpoint {name} was written before batches were planned from the data "
+                f"(step {state.step}, in epoch {state.epoch}): it cannot resume mid-epoch "
+                "exactly; start a new run.name"
+            )
+        return
+    changed = data_changes(state.data, now)
+    if changed:
+        raise CheckpointError(
+            f"data.path={path} changed since checkpoint {name} was written: {changed}; "
+            "restore the shards it was trained on to resume, or start a new run.name"
+        )
+    settings = setting_changes(state.data, now)
+    if settings and mid_epoch:
+        raise CheckpointError(
+            f"checkpoint {name} is in the middle of epoch {state.epoch}, planned with other "
+            f"settings: {', '.join(settings)}; resume with the checkpoint's values (they may "
+            "change once an epoch ends)"
+        )
 
 
 def check_resources(sc: Any, nodes: list[dict[str, Any]]) -> None:

@@ -19,7 +19,7 @@ def deepspeed_config(
 ) -> dict[str, Any]:
     s = cfg.strategy
     ds: dict[str, Any] = {
-        "train_batch_size": plan.global_batch_size,
+        "train_batch_size": plan.deepspeed_batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum_steps,
         "zero_optimization": {"stage": s.zero_stage},
@@ -35,11 +35,6 @@ def deepspeed_config(
     if load_universal:
         ds["checkpoint"] = {"load_universal": True}
     return ds
-
-
-def base_lr(cfg: TrainConfig, plan: BatchPlan) -> float:
-    """optim.lr, scaled linearly when the batch policy adjusted the global batch."""
-    return cfg.optim.lr * plan.lr_scale
 
 
 def _optimizer(cfg: TrainConfig, params: Any, lr: float) -> torch.optim.Optimizer:
@@ -113,7 +108,7 @@ def build_engine(
 ) -> Any:
     import deepspeed
 
-    optimizer = _optimizer(cfg, model.parameters(), base_lr(cfg, plan))
+    optimizer = _optimizer(cfg, model.parameters(), cfg.optim.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step))
     engine, _, _, _ = deepspeed.initialize(
         model=model,
@@ -124,10 +119,10 @@ def build_engine(
     return engine
 
 
-def set_base_lr(engine: Any, cfg: TrainConfig, plan: BatchPlan) -> None:
-    """After a restore: the learning rate follows the config and the batch plan of this
-    start (an adjusted global batch scales it), not the one saved in the checkpoint."""
-    lr = base_lr(cfg, plan)
+def set_base_lr(engine: Any, cfg: TrainConfig) -> None:
+    """After a restore: the learning rate follows the config of this start
+    (``optim.lr``), not the one saved in the checkpoint."""
+    lr = cfg.optim.lr
     scheduler = engine.lr_scheduler
     factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
     scheduler.base_lrs = [lr for _ in scheduler.base_lrs]

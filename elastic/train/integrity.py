@@ -139,21 +139,22 @@ def check_model(path: str, model_cfg: Any) -> None:
         )
 
 
-def prepare_resume(run_dir: str, model_cfg: Any) -> list[str]:
+def prepare_resume(run_dir: str, model_cfg: Any) -> tuple[str | None, list[str]]:
     """Before a run (re)starts, on the driver: the checkpoint Ray Train will hand the
     workers must be intact and fit the configured model.
 
     Ray Train resumes from the newest checkpoint in its list (``RAY_SNAPSHOT``) and
     refuses to start when a listed folder is gone. So a folder deleted by hand is dropped
     from the list; a damaged newest one is moved aside as ``step=N.damaged`` and dropped,
-    and the run resumes from the newest intact one. Returns a warning per change; raises
+    and the run resumes from the newest intact one. Returns the checkpoint the run will
+    resume from (None: a new run) and a warning per change; raises
     :class:`CheckpointError`, changing nothing, when no listed checkpoint is intact or
     the one to resume from does not fit. Also removes what a killed save left in the
     staging folder (no worker of this run is alive now)."""
     shutil.rmtree(os.path.join(run_dir, STAGING_DIR), ignore_errors=True)
     snapshot_path = os.path.join(run_dir, RAY_SNAPSHOT)
     if not os.path.exists(snapshot_path):
-        return []
+        return None, []
     with open(snapshot_path) as f:
         snapshot = json.load(f)
     results = snapshot["checkpoint_results"]
@@ -193,7 +194,7 @@ def prepare_resume(run_dir: str, model_cfg: Any) -> list[str]:
     warnings += [f"checkpoint {os.path.join(run_dir, n)} was deleted: dropped" for n in gone]
     if gone or damaged:
         _drop_from_snapshot(snapshot_path, snapshot, {*gone, *(n for n, _ in damaged)})
-    return warnings
+    return (os.path.join(run_dir, resume) if resume else None), warnings
 
 
 def _set_aside(folder: str) -> str:

@@ -25,8 +25,11 @@ import torch.distributed as dist
 
 from elastic.config.schema import TrainConfig
 from elastic.data.formats import data_format
+from elastic.data.ids import ids_digest
+from elastic.data.order import Layout
+from elastic.data.reader import PlannedReader, epoch_plan
 from elastic.data.shards import damaged_shard
-from elastic.data.stream import EpochPrefetcher, StepBatch, StepStream, shuffled, val_blocks
+from elastic.data.stream import StepBatch, StepStream, val_blocks
 from elastic.errors import find_run_error, run_error
 from elastic.models.losses import MetricSums, per_sample_loss
 from elastic.observe.summary import WorkerSummary
@@ -53,15 +56,18 @@ class WorkerArgs:
     config_dict: dict[str, Any]
     """The resolved config as plain data, for W&B."""
     run_dir: str
+    train_files: list[str]
+    layout: Layout
+    """The train split's row groups: what every global batch is planned on."""
+    data_record: dict[str, Any]
+    """What the checkpoints keep of the data (:func:`elastic.data.reader.data_record`)."""
     cache_train: bool
-    """The train split fits ``data.cache_mb``: read once, then from memory."""
+    """The decoded train split fits ``data.cache_mb``: each row group read once a worker."""
     train_rows: int
     val_files: list[str] = field(default_factory=list)
     """The validation split's shards (each worker reads its share: stream.val_blocks)."""
     control: Any = None
     """The run's control actor (stop requests, fatal errors, progress)."""
-    first_epoch: Any = None
-    """A :class:`~elastic.train.control.FirstEpoch` when the file order is per epoch."""
 
 
 def train_loop(config: dict[str, Any]) -> None:
@@ -72,9 +78,7 @@ def train_loop(config: dict[str, Any]) -> None:
     cfg = args.cfg
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    plan = BatchPlan.for_policy(
-        cfg.scaling.batch_policy, cfg.data.global_batch_size, world, cfg.data.micro_batch_size
-    )
+    plan = BatchPlan.for_world(cfg.data.global_batch_size, world, cfg.data.micro_batch_size)
 
     started = time.perf_counter()
     warming = warm_imports()
@@ -85,16 +89,19 @@ def train_loop(config: dict[str, Any]) -> None:
         if path is not None:
             integrity.check_intact(path)
         state = ckpt.read_state(path) if path else ckpt.TrainerState()
-        # Ray Data starts its pipeline now, while DeepSpeed initialises and restores
-        if rank == 0 and args.first_epoch is not None:
-            args.first_epoch.announce(state.epoch)  # the file order to read in
-        max_epochs = cfg.trainer.max_epochs
-        prefetcher = EpochPrefetcher(
-            ray.train.get_dataset_shard("train"),
-            int(cfg.data.prefetch_mb * 1024 * 1024),
-            epochs=max_epochs - state.epoch if max_epochs else None,
+        state.data = args.data_record  # the driver checked a resumed run's against it
+        # this rank's row groups from the resume step on, read while DeepSpeed starts
+        reader = PlannedReader(
+            cfg.data,
+            args.train_files,
+            args.layout,
+            rank,
+            world,
+            first_epoch=state.epoch,
+            first_step=state.step - state.epoch_start_step,
+            epochs=_epochs_left(cfg, args.layout, state),
             cache=args.cache_train,
-            block_order=(cfg.data.seed, rank) if cfg.data.shuffle_files else None,
+            empty=data_format(cfg.data.format).empty_batch(cfg.data, cfg.model),
         )
         marks = {"data_s": time.perf_counter()}
         init_distributed(cfg.scaling.use_gpu, warming)
@@ -106,7 +113,7 @@ def train_loop(config: dict[str, Any]) -> None:
         marks["engine_s"] = time.perf_counter()
         if path is not None:
             ckpt.restore(engine, path, rank, universal=resharded)
-            set_base_lr(engine, cfg, plan)
+            set_base_lr(engine, cfg)
         marks["restore_s"] = time.perf_counter()
     # seconds each part of this start took, in order
     edges = [started, *marks.values()]
@@ -137,7 +144,7 @@ def train_loop(config: dict[str, Any]) -> None:
     trainer = _Trainer(cfg, engine, plan, state, tracker, rank, world, control, args.train_rows)
     trainer.startup = {"since": started, **startup}
     try:
-        trainer.train(prefetcher, args.val_files)
+        trainer.train(reader, args.val_files)
         # a preempted run checkpoints and goes: validation would eat into the grace period
         val = {} if trainer.stop_reason == "preempted" else trainer.validate(args.val_files)
     except Exception as e:
@@ -153,6 +160,20 @@ def train_loop(config: dict[str, Any]) -> None:
     trainer.finish(val)
     tracker.finish()
     dist.barrier()
+
+
+def _epochs_left(cfg: TrainConfig, layout: Layout, state: ckpt.TrainerState) -> int | None:
+    """Epochs this group may still start (the one it is in included), from the stopping
+    rules: the reader then reads no epoch the run will not train."""
+    t, bounds = cfg.trainer, []
+    if t.max_epochs:
+        bounds.append(t.max_epochs - state.epoch)
+    last = min(s for s in (t.max_steps, t.stop_at_step, 2**62) if s > 0)
+    if last < 2**62:
+        per_epoch = epoch_plan(cfg.data, layout, 0).steps  # the same every epoch
+        into = state.step - state.epoch_start_step
+        bounds.append(max(1, -(-(last - state.step + into) // per_epoch)))
+    return min(bounds) if bounds else None
 
 
 def _seed_everything(seed: int) -> None:
@@ -185,7 +206,7 @@ def _note_start(
     resumed: bool,
     resharded: bool = False,
 ) -> None:
-    """Events of this (re)start: resume, world size change, batch policy change."""
+    """Events of this (re)start: resume, world size."""
     if resumed:
         tracker.event(
             state.step,
@@ -195,7 +216,6 @@ def _note_start(
             resharded=resharded,
             from_world_size=state.world_sizes[-1] if state.world_sizes else plan.world_size,
         )
-    previous = state.batch_plans[-1] if state.batch_plans else None
     if not state.world_sizes or state.world_sizes[-1] != plan.world_size:
         state.world_sizes.append(plan.world_size)
         state.batch_plans.append(plan.to_dict())
@@ -207,18 +227,6 @@ def _note_start(
         micro_batch_size=plan.micro_batch_size,
         grad_accum_steps=plan.grad_accum_steps,
     )
-    if previous is not None and previous["global_batch_size"] == plan.global_batch_size:
-        return
-    if plan.adjusted or previous is not None:
-        # scaling.batch_policy=adjust moved the global batch (or moved it back)
-        tracker.event(
-            state.step,
-            "batch_policy",
-            world_size=plan.world_size,
-            requested_global_batch_size=plan.requested_global_batch_size or plan.global_batch_size,
-            global_batch_size=plan.global_batch_size,
-            lr_scale=plan.lr_scale,
-        )
 
 
 class _Trainer:
@@ -252,7 +260,8 @@ class _Trainer:
         self.device = engine.device
         self.dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
         self.times = PhaseTimes()
-        self._sync_s = 0.0  # seconds in the per-step row-count all-reduce, ever
+        self._step_digest = 0  # the last step's ids_digest over all ranks
+        self._first_batch_s: float | None = None  # group start -> its first batch here
         self.train_start = self.train_end = time.perf_counter()
         self.steady_start: float | None = None
         self.steady_samples = 0
@@ -273,20 +282,22 @@ class _Trainer:
         )
 
     # -- training ---------------------------------------------------------------------
-    def train(self, prefetcher: EpochPrefetcher, val_files: list[str]) -> None:
+    def train(self, reader: PlannedReader, val_files: list[str]) -> None:
         self.engine.train()
         self.times.session_start = self.train_start = time.perf_counter()
         while not self._done():
-            if self._train_epoch(prefetcher, val_files):
+            if self._train_epoch(reader, val_files):
                 self._close_epoch()
         self._stop_if_diverged()  # before the final validation and checkpoint
-        prefetcher.close()
+        reader.close()
         self.train_end = time.perf_counter()
         self.times.fold_into(self.state)
 
-    def _train_epoch(self, prefetcher: EpochPrefetcher, val_files: list[str]) -> bool:
+    def _train_epoch(self, reader: PlannedReader, val_files: list[str]) -> bool:
         """One epoch, or what is left of it; False when a stopping rule ends it early."""
-        batches = iter(self._epoch_stream(prefetcher))
+        # the epoch's plan fixes every step's rows: resume at its step, at any world size
+        s = self.state
+        batches = reader.epoch(s.epoch, s.step - s.epoch_start_step)
         while (batch := self._next_batch(batches)) is not None:
             self._step(batch)  # forward, backward, optimizer
             self._account(batch)  # ledger, step count, loss sums
@@ -300,13 +311,23 @@ class _Trainer:
         return True
 
     def _next_batch(self, batches: Any) -> StepBatch | None:
-        t0, synced = time.perf_counter(), self._sync_s
+        t0 = time.perf_counter()
         batch = next(batches, None)
-        # the step's lock-step row-count all-reduce waits for the slowest rank:
-        # communication (with backward, as the gradient all-reduce), not data
-        sync = self._sync_s - synced
-        self.times.add("data_wait", time.perf_counter() - t0 - sync)
-        self.times.add("backward", sync)
+        t1 = time.perf_counter()
+        self.times.add("data_wait", t1 - t0)
+        if batch is None:  # the epoch's plan is the same on every rank: all end here
+            return None
+        if self._first_batch_s is None and self.startup:
+            self._first_batch_s = t1 - self.startup["since"]
+        rows, self._step_digest = self._all_reduce_step(batch.rows, ids_digest(batch.sample_id))
+        # the step's all-reduce waits for the slowest rank: communication (with
+        # backward, as the gradient all-reduce), not data
+        self.times.since("backward", t1)
+        if rows != batch.global_rows:
+            raise RuntimeError(
+                f"step {self.state.step + 1}: the ranks hold {rows} rows, the plan "
+                f"{batch.global_rows}: their plans disagree"
+            )
         return batch
 
     def _count_throughput(self, batch: StepBatch) -> None:
@@ -327,41 +348,26 @@ class _Trainer:
                 "startup",
                 world_size=self.world,
                 **parts,
+                first_batch_s=round(self._first_batch_s or 0.0, 3),
                 first_step_s=round(time.perf_counter() - self.startup["since"], 3),
             )
 
-    def _epoch_stream(self, prefetcher: EpochPrefetcher) -> StepStream:
-        # Resume mid-epoch: skip what the checkpoint's bitmap says the epoch has trained.
-        # At an unchanged world size the split and the shuffle are deterministic and the
-        # skipped rows are exactly each worker's first ones, so the run continues bit for
-        # bit (the rows are shuffled first, then the trained ones dropped).
-        ledger, d, epoch = self.state.ledger, self.cfg.data, self.state.epoch
-        blocks = shuffled(prefetcher.epoch(epoch), d.shuffle_buffer_rows, d.seed, epoch, self.rank)
-        return StepStream(
-            blocks,
-            self.plan.per_worker,
-            self._all_reduce_count,
-            skip_ids=ledger.bitmap if ledger.trained else None,
-            empty=self._empty_batch(),
-        )
-
-    def _all_reduce_count(self, rows: int) -> int:
-        """The step's row count over all ranks, and (in the same all-reduce) whether any
-        rank has seen a stop request or a node drain."""
+    def _all_reduce_step(self, rows: int, digest: int = 0) -> tuple[int, int]:
+        """The step's row count and ids digest over all ranks, and (in the same
+        all-reduce) whether any rank has seen a stop request, a node drain or a
+        non-finite value."""
         stop = self._stop_poller.poll() is not None
         drain = self._drain_probe()
         bad = self.divergence.pending
         t = torch.tensor(
-            [rows, stop, drain, bad], dtype=torch.int64, device=self._collective_device
+            [rows, stop, drain, bad, digest], dtype=torch.int64, device=self._collective_device
         )
-        t0 = time.perf_counter()
         dist.all_reduce(t)
-        self._sync_s += time.perf_counter() - t0
         if t[3]:
             self.divergence.stop(self.world, self.cfg.data.path, self.cfg.optim.lr)
         self._stop_requested = self._stop_requested or bool(t[1])
         self._drain_pending = bool(t[2])
-        return int(t[0])
+        return int(t[0]), int(t[4])
 
     def _after_step_signals(self) -> None:
         """A stop request checkpoints and ends the run (resumable: a requeue); a node
@@ -463,6 +469,9 @@ class _Trainer:
                 "train/epoch": s.epoch,
                 "train/world_size": self.world,
                 "train/samples_seen": s.samples_seen,
+                # which rows the step trained (the same at any world size): a run's
+                # batches can be compared with another's without reading its data
+                "train/batch_digest": self._step_digest,
                 **{f"time/{p}_share": v for p, v in shares.items()},
             },
             console=(
@@ -503,6 +512,7 @@ class _Trainer:
             self.state.ledger.merge(gathered)
 
     def _close_epoch(self) -> None:
+        self.state.epoch_start_step = self.state.step
         self._sync_ledger()
         if self.rank == 0:
             record = self.state.ledger.close_epoch()
@@ -534,7 +544,7 @@ class _Trainer:
         stream = StepStream(
             val_blocks(self.cfg.data, val_files, self.rank, self.world),
             self.plan.micro_batch_size,
-            self._all_reduce_count,
+            lambda rows: self._all_reduce_step(rows)[0],
             empty=self._empty_batch(),
         )
         with torch.no_grad():

@@ -1,0 +1,223 @@
+"""Worker side: this rank's row groups, read through Ray Data ahead of training.
+
+Every global batch is fixed by the plan (:mod:`elastic.data.order`); a rank knows from
+the Parquet footers which row groups its slices need and in which order, from any step
+on. :class:`PlannedReader` reads exactly those (one Ray Data read task a row group,
+decoded by the format's decoder, scheduled on this worker's node where it can be) in a
+background thread, into a buffer bounded by ``data.prefetch_mb``, and goes on to the
+next epoch's groups as soon as the current epoch's are read, so an epoch's start overlaps
+with the tail of the one before. It reads at most one epoch ahead of training.
+
+A split whose decoded rows fit ``data.cache_mb`` is kept: every row group is decoded once
+per worker and later epochs take what this worker already holds from memory, reading
+only the groups it has not met yet.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from elastic.config.schema import DataConfig
+from elastic.data.order import GROUP_COLUMNS, EpochPlan, Group, Layout, SliceAssembler, plan_record
+from elastic.data.stream import StepBatch
+from elastic.errors import DataError
+
+Columns = dict[str, np.ndarray]
+
+
+def lanes_of(cfg: DataConfig) -> int:
+    """The run's lane count: ``data.lanes``, or the global batch (one row a lane a step)."""
+    return cfg.lanes or cfg.global_batch_size
+
+
+def epoch_plan(cfg: DataConfig, layout: Layout, epoch: int) -> EpochPlan:
+    """The plan of epoch ``epoch`` of a run with data settings ``cfg``."""
+    return EpochPlan(
+        layout,
+        seed=cfg.seed,
+        epoch=epoch,
+        global_batch=cfg.global_batch_size,
+        lanes=lanes_of(cfg),
+        window=cfg.shuffle_window_rows,
+        shuffle=cfg.shuffle,
+    )
+
+
+def data_record(cfg: DataConfig, files: list[str], layout: Layout) -> dict[str, Any]:
+    """What a checkpoint keeps of the data its batches came from."""
+    return plan_record(
+        files,
+        layout,
+        cfg.global_batch_size,
+        lanes_of(cfg),
+        cfg.shuffle_window_rows,
+        cfg.seed,
+        cfg.shuffle,
+    )
+
+
+_EPOCH_END = object()
+
+
+class PlannedReader:
+    """Reads rank ``rank``'s row groups from (``first_epoch``, ``first_step``) on, for
+    ``epochs`` epochs in all (None: until closed); :meth:`epoch` turns them into this
+    rank's per-step batches. Epochs must be asked for in order."""
+
+    def __init__(
+        self,
+        cfg: DataConfig,
+        files: list[str],
+        layout: Layout,
+        rank: int,
+        world: int,
+        first_epoch: int = 0,
+        first_step: int = 0,
+        epochs: int | None = None,
+        cache: bool = False,
+        empty: Columns | None = None,
+    ) -> None:
+        self.cfg, self.files, self.layout = cfg, files, layout
+        # a step's batch where this rank has no rows (the epoch's tail): its shapes
+        self._empty = empty or {
+            "sample_id": np.zeros(0, np.int64),
+            "x": np.zeros((0, 1), np.float32),
+            "y": np.zeros((0, 1), np.float32),
+        }
+        self.rank, self.world = rank, world
+        self._next = (first_epoch, first_step)  # what epoch() is asked for next
+        self._end = None if epochs is None else first_epoch + epochs
+        self._cache: dict[Group, Columns] | None = {} if cache else None
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._max_bytes = int(cfg.prefetch_mb * 1024 * 1024)
+        self._bytes = 0
+        self._cond = threading.Condition()
+        self._stop = False
+        self._consuming = first_epoch - 1  # the epoch training is in
+        self.started = time.perf_counter()
+        self.first_group_s: float | None = None  # start -> the first group decoded here
+        self._thread = threading.Thread(target=self._run, name="elastic-reader", daemon=True)
+        self._thread.start()
+
+    # -- the reading thread -----------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            epoch, step = self._next
+            while not self._stop and (self._end is None or epoch < self._end):
+                with self._cond:
+                    while epoch > self._consuming + 1 and not self._stop:
+                        self._cond.wait(timeout=1.0)
+                plan = epoch_plan(self.cfg, self.layout, epoch)
+                self._read_epoch(plan.reads(self.rank, self.world, step))
+                self._queue.put(_EPOCH_END)
+                epoch, step = epoch + 1, 0
+        except BaseException as e:  # surface the reader's failure in the training thread
+            self._queue.put(e)
+
+    def _read_epoch(self, reads: list[Group]) -> None:
+        cache = self._cache
+        fresh = [fg for fg in reads if cache is None or fg not in cache]
+        blocks = self._blocks(fresh)
+        for fg in reads:
+            if cache is not None and fg in cache:
+                self._put(fg, cache[fg], 0)
+                continue
+            columns = self._assemble(blocks, fg)
+            if self.first_group_s is None:
+                self.first_group_s = time.perf_counter() - self.started
+            if cache is not None:
+                cache[fg] = columns
+            self._put(fg, columns, sum(v.nbytes for v in columns.values()))
+            if self._stop:
+                return
+
+    def _put(self, fg: Group, columns: Columns, size: int) -> None:
+        with self._cond:
+            # always admit one group, so a group larger than the cap still flows
+            while self._bytes and self._bytes + size > self._max_bytes and not self._stop:
+                self._cond.wait(timeout=1.0)
+            self._bytes += size
+        self._queue.put((fg, columns, size))
+
+    def _blocks(self, reads: list[Group]) -> Iterator[Columns]:
+        if not reads:
+            return iter(())
+        import ray
+
+        from elastic.data.pipeline import planned_dataset
+
+        node = ray.get_runtime_context().get_node_id()
+        ds = planned_dataset(self.cfg, self.files, reads, node_id=node)
+        return iter(ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2))
+
+    def _assemble(self, blocks: Iterator[Columns], fg: Group) -> Columns:
+        """Row group ``fg`` whole, from the next block(s) (a large group may come in
+        several), as a private copy: holding Ray's views would pin object-store memory."""
+        f, g = fg
+        expected = self.layout.rows[f][g]
+        parts: list[Columns] = []
+        have = 0
+        while have < expected:
+            block = next(blocks, None)
+            if block is None:
+                raise self._changed(f, g, have, expected)
+            tag = (int(block[GROUP_COLUMNS[0]][0]), int(block[GROUP_COLUMNS[1]][0]))
+            if tag != fg:
+                raise RuntimeError(f"row group {tag} came where {fg} was planned: reads disagree")
+            parts.append({k: v for k, v in block.items() if k not in GROUP_COLUMNS})
+            have += len(block[GROUP_COLUMNS[0]])
+        if have != expected:
+            raise self._changed(f, g, have, expected)
+        if len(parts) == 1:
+            return {k: np.array(v) for k, v in parts[0].items()}
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    def _changed(self, f: int, g: int, have: int, expected: int) -> DataError:
+        return DataError(
+            f"shard {self.files[f]} changed while the run was reading it (row group {g}: "
+            f"{have} rows read, {expected} when the run started): restore the shard, then "
+            "run the same command to resume"
+        )
+
+    # -- the training thread ----------------------------------------------------------
+    def epoch(self, epoch: int, from_step: int = 0) -> Iterator[StepBatch]:
+        """This rank's batches of epoch ``epoch`` from step ``from_step`` (in the epoch)
+        to its end; every rank gets the same number of batches (empty ones at the tail)."""
+        if (epoch, from_step) != self._next:
+            raise RuntimeError(f"epoch {epoch} from step {from_step} asked; reading {self._next}")
+        self._next = (epoch + 1, 0)
+        with self._cond:
+            self._consuming = epoch
+            self._cond.notify_all()
+        plan = epoch_plan(self.cfg, self.layout, epoch)
+        assembler = SliceAssembler(plan, self.rank, self.world, from_step)
+        groups = self._groups()
+        for step, batch in assembler.steps(groups):
+            b = batch or self._empty
+            yield StepBatch(b["sample_id"], b["x"], b["y"], plan.global_rows(step))
+        for _ in groups:  # groups read only for rows trained before a resume: to the end
+            pass
+
+    def _groups(self) -> Iterator[tuple[int, int, Columns]]:
+        while True:
+            item = self._queue.get()
+            if item is _EPOCH_END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            (f, g), columns, size = item
+            with self._cond:
+                self._bytes -= size
+                self._cond.notify_all()
+            yield f, g, columns
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
