@@ -155,7 +155,7 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([*real, f"data.path={mixed}", "data.val_path=null"], "part-1.parquet has column 'x'"),
         (["strategy.precision=fp8"], "strategy.precision"),
         # keys of the data path before world-size-independent batches, named with their fate
-        (["scaling.batch_policy=adjust"], "'scaling.batch_policy=adjust' is retired: it is gone"),
+        (["scaling.batch_policy=adjust"], "'scaling.batch_policy' is retired: it is gone"),
         (["+data.shuffle_buffer_rows=5"], "data.shuffle_buffer_rows is retired: it is data.shu"),
         (["scaling.max_failures=-2"], "scaling.max_failures=-2"),
         (["scaling.start_timeout_s=0"], "scaling.start_timeout_s=0"),

@@ -5,7 +5,8 @@ independent enumeration. What it guarantees:
 
 - An epoch's rows are dealt into ``lanes`` canonical lanes that do not depend on the
   world size: the split's row groups in an order fixed by (seed, epoch), concatenated,
-  cut into ``lanes`` contiguous ranges whose sizes differ by at most one row.
+  cut into ``lanes`` contiguous ranges in proportion to the rows each gives a step, so
+  that all run out together (an epoch is ceil(rows / B) steps, rarely one more).
 - A lane is read in windows of ``window`` rows; each window's rows are permuted by
   (seed, epoch, lane, window). Shuffling is therefore seekable: the rows of any step
   are found from the Parquet metadata alone, with nothing read and thrown away.
@@ -93,9 +94,10 @@ class EpochPlan:
         self._starts = np.cumsum([0] + [n for _, _, n in groups], dtype=np.int64)
         self._perms = {}  # per lane: its latest window's permutation
         c = np.arange(self.lanes, dtype=np.int64)
-        self._lane_start = self.rows * c // self.lanes
-        self._lane_size = self.rows * (c + 1) // self.lanes - self._lane_start
         self._quota = self.global_batch // self.lanes + (c < self.global_batch % self.lanes)
+        # lanes as long as their quotas make them: every lane runs out at the same step
+        ends = np.cumsum(np.r_[0, self._quota]) * self.rows // self.global_batch
+        self._lane_start, self._lane_size = ends[:-1], np.diff(ends)
 
     # -- the epoch's shape ------------------------------------------------------------
     @property
@@ -339,6 +341,9 @@ def setting_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 
 # -- worker side ----------------------------------------------------------------------
+GROUP_COLUMNS = ("__file", "__group")  # which row group a decoded block's rows come from
+
+
 class SliceAssembler:
     """Decoded row groups in, this rank's slice of each global batch out.
 

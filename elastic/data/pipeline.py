@@ -5,6 +5,7 @@ format's decoder from :mod:`elastic.data.formats`), and the cache decision."""
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import pyarrow as pa
@@ -71,9 +72,13 @@ def planned_dataset(
         remote_args["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=True)
     columns = read_columns(cfg, pq.read_schema(files[0]))
     source = _row_group_source(files, reads, columns)
-    ds = ray.data.read_datasource(
-        source, override_num_blocks=max(1, len(reads)), ray_remote_args=remote_args
-    )
+    with warnings.catch_warnings():
+        # Ray 2.60 names ray_remote_args deprecated (gone in 2.64) but offers no named
+        # parameter for a scheduling strategy; pyproject pins 2.60
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+        ds = ray.data.read_datasource(
+            source, override_num_blocks=max(1, len(reads)), ray_remote_args=remote_args
+        )
     ds.context.execution_options = ExecutionOptions(preserve_order=True)
     decode, kwargs = decoder(cfg, files[0])
 

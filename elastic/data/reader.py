@@ -148,10 +148,17 @@ class PlannedReader:
     def _blocks(self, reads: list[Group]) -> Iterator[Columns]:
         if not reads:
             return iter(())
+        import logging
+
         import ray
+        import ray.data
 
         from elastic.data.pipeline import planned_dataset
 
+        # a worker starts a Ray Data execution every epoch: keep its log to what matters
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = ctx.print_on_execution_start = False
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
         node = ray.get_runtime_context().get_node_id()
         ds = planned_dataset(self.cfg, self.files, reads, node_id=node)
         return iter(ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2))
