@@ -130,7 +130,9 @@ def _consume(config: dict) -> None:
     total = count(rows)
     if rank == 0:  # Ray Train 2.60 keeps only metrics reported with a checkpoint
         Path(config["out"]).write_text(
-            json.dumps({"rows": total, "seconds": elapsed, "first_group_s": reader.first_group_s})
+            json.dumps(
+                {"rows": total, "seconds": elapsed, "data_ready_s": reader.first_batch_ready_s}
+            )
         )
 
 

@@ -116,11 +116,11 @@ def _table_rows(results: dict) -> list[tuple[str, str, str, str, str, str]]:
             _verdict(c["world_sizes_same_global_batches"]
                      and c["world_size_loss_rel_diff"] <= t["world_size_loss_rel_diff"]),
         ))  # fmt: skip
-        fb = c["first_batch_s"]
+        fb = c["data_ready_s"]
         rows.append((
-            "worker group start -> first batch (median of the chaos run's starts; max)",
-            f"{fb['median']:.2f} s; {fb['max']:.2f} s", "", "", f"<= {t['first_batch_s']:.0f} s",
-            _verdict(fb["max"] <= t["first_batch_s"]),
+            "worker group start -> its first batch read (median of the chaos run's starts; max)",
+            f"{fb['median']:.2f} s; {fb['max']:.2f} s", "", "", f"<= {t['data_ready_s']:.0f} s",
+            _verdict(fb["max"] <= t["data_ready_s"]),
         ))  # fmt: skip
     if m := results.get("memory"):
         by: dict[tuple[str, int], list[dict]] = {}

@@ -5,7 +5,6 @@ format's decoder from :mod:`elastic.data.formats`), and the cache decision."""
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any
 
 import pyarrow as pa
@@ -51,34 +50,22 @@ def decoder(cfg: DataConfig, shard: str) -> tuple[Any, dict[str, Any]]:
     return decode, {"input_column": cfg.input_column, "target_column": cfg.target_column, **kwargs}
 
 
-def planned_dataset(
-    cfg: DataConfig, files: list[str], reads: list[tuple[int, int]], node_id: str | None = None
-) -> Any:
+def planned_dataset(cfg: DataConfig, files: list[str], reads: list[tuple[int, int]]) -> Any:
     """A rank's read of the row groups ``reads`` ((file index, group) into ``files``, in
     that order: :meth:`elastic.data.order.EpochPlan.reads`), decoded by the format's
     decoder in Ray Data, each block tagged with the group it holds
     (:data:`elastic.data.order.GROUP_COLUMNS`). One read task a row group; the blocks come
-    out in the plan's order. ``node_id``: run the tasks on that node where it has room
-    (the rank's own: its rows then never cross the network)."""
+    out in the plan's order. The tasks go where Ray's default puts them: the submitting
+    worker's node while it has a free CPU, else another (pinning them to the worker's
+    node, even softly, queues them behind the training worker that holds its CPUs)."""
     import ray.data
     from ray.data import ExecutionOptions
 
     from elastic.data.order import GROUP_COLUMNS
 
-    remote_args: dict[str, Any] = {}
-    if node_id is not None:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        remote_args["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=True)
     columns = read_columns(cfg, pq.read_schema(files[0]))
     source = _row_group_source(files, reads, columns)
-    with warnings.catch_warnings():
-        # Ray 2.60 names ray_remote_args deprecated (gone in 2.64) but offers no named
-        # parameter for a scheduling strategy; pyproject pins 2.60
-        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
-        ds = ray.data.read_datasource(
-            source, override_num_blocks=max(1, len(reads)), ray_remote_args=remote_args
-        )
+    ds = ray.data.read_datasource(source, override_num_blocks=max(1, len(reads)))
     ds.context.execution_options = ExecutionOptions(preserve_order=True)
     decode, kwargs = decoder(cfg, files[0])
 
@@ -88,9 +75,7 @@ def planned_dataset(
             out[name] = batch[name].to_numpy()
         return out
 
-    return ds.map_batches(
-        tagged, batch_format="pyarrow", zero_copy_batch=True, fn_kwargs=kwargs, **remote_args
-    )
+    return ds.map_batches(tagged, batch_format="pyarrow", zero_copy_batch=True, fn_kwargs=kwargs)
 
 
 def _row_group_source(files: list[str], reads: list[tuple[int, int]], columns: list[str]) -> Any:

@@ -3,7 +3,7 @@
 Every global batch is fixed by the plan (:mod:`elastic.data.order`); a rank knows from
 the Parquet footers which row groups its slices need and in which order, from any step
 on. :class:`PlannedReader` reads exactly those (one Ray Data read task a row group,
-decoded by the format's decoder, scheduled on this worker's node where it can be) in a
+decoded by the format's decoder) in a
 background thread, into a buffer bounded by ``data.prefetch_mb``, and goes on to the
 next epoch's groups as soon as the current epoch's are read, so an epoch's start overlaps
 with the tail of the one before. It reads at most one epoch ahead of training.
@@ -63,6 +63,31 @@ def data_record(cfg: DataConfig, files: list[str], layout: Layout) -> dict[str, 
 
 
 _EPOCH_END = object()
+_DONE = object()
+
+
+def _started(items: Any, depth: int = 2) -> Iterator[Any]:
+    """``items`` iterated from now on by a thread of its own (Ray Data starts its
+    execution at the first ``next``), ``depth`` ahead; its failure is raised here."""
+    out: queue.Queue[Any] = queue.Queue(maxsize=depth)
+
+    def run() -> None:
+        try:
+            for item in items:
+                out.put(item)
+            out.put(_DONE)
+        except BaseException as e:
+            out.put(e)
+
+    threading.Thread(target=run, name="elastic-ray-data", daemon=True).start()
+
+    def drain() -> Iterator[Any]:
+        while (item := out.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    return drain()
 
 
 class PlannedReader:
@@ -101,7 +126,8 @@ class PlannedReader:
         self._stop = False
         self._consuming = first_epoch - 1  # the epoch training is in
         self.started = time.perf_counter()
-        self.first_group_s: float | None = None  # start -> the first group decoded here
+        # start -> every row group of the first step read and decoded here
+        self.first_batch_ready_s: float | None = None
         self._thread = threading.Thread(target=self._run, name="elastic-reader", daemon=True)
         self._thread.start()
 
@@ -114,28 +140,55 @@ class PlannedReader:
                     while epoch > self._consuming + 1 and not self._stop:
                         self._cond.wait(timeout=1.0)
                 plan = epoch_plan(self.cfg, self.layout, epoch)
-                self._read_epoch(plan.reads(self.rank, self.world, step))
+                first: set[Group] = set()
+                if self.first_batch_ready_s is None and step < plan.steps:
+                    k, _ = plan.locate(plan.slice_positions(step, self.rank, self.world))
+                    first = {plan.group(int(i)) for i in set(k.tolist())}
+                self._read_epoch(plan.reads(self.rank, self.world, step), first)
                 self._queue.put(_EPOCH_END)
                 epoch, step = epoch + 1, 0
         except BaseException as e:  # surface the reader's failure in the training thread
             self._queue.put(e)
 
-    def _read_epoch(self, reads: list[Group]) -> None:
+    def _read_epoch(self, reads: list[Group], first: set[Group]) -> None:
+        """Read ``reads`` in order, from this worker's cache where it holds them; note
+        when the groups of ``first`` (the first step's, at the group's start) are in.
+
+        Those few are read here, with pyarrow and the same decoder, while Ray Data's
+        execution for the rest starts: a worker group's first Ray Data execution starts
+        its task processes, ~5 s here on a fresh cluster and ~1 s on a warm one (the
+        training loop would wait that long at every restart)."""
         cache = self._cache
         fresh = [fg for fg in reads if cache is None or fg not in cache]
-        blocks = self._blocks(fresh)
+        local = {fg for fg in fresh if fg in first}
+        blocks = self._blocks([fg for fg in fresh if fg not in local])
         for fg in reads:
+            first.discard(fg)
             if cache is not None and fg in cache:
                 self._put(fg, cache[fg], 0)
                 continue
-            columns = self._assemble(blocks, fg)
-            if self.first_group_s is None:
-                self.first_group_s = time.perf_counter() - self.started
+            columns = self._read_here(fg) if fg in local else self._assemble(blocks, fg)
+            if not first and self.first_batch_ready_s is None:
+                self.first_batch_ready_s = time.perf_counter() - self.started
             if cache is not None:
                 cache[fg] = columns
             self._put(fg, columns, sum(v.nbytes for v in columns.values()))
             if self._stop:
                 return
+
+    def _read_here(self, fg: Group) -> Columns:
+        """Row group ``fg`` read and decoded in this process."""
+        import pyarrow.parquet as pq
+
+        from elastic.data.pipeline import decoder, read_columns
+
+        f, g = fg
+        shard = pq.ParquetFile(self.files[f])
+        table = shard.read_row_group(g, columns=read_columns(self.cfg, shard.schema_arrow))
+        if table.num_rows != self.layout.rows[f][g]:
+            raise self._changed(f, g, table.num_rows, self.layout.rows[f][g])
+        decode, kwargs = decoder(self.cfg, self.files[0])
+        return {k: np.array(v) for k, v in decode(table, **kwargs).items()}
 
     def _put(self, fg: Group, columns: Columns, size: int) -> None:
         with self._cond:
@@ -150,7 +203,6 @@ class PlannedReader:
             return iter(())
         import logging
 
-        import ray
         import ray.data
 
         from elastic.data.pipeline import planned_dataset
@@ -159,9 +211,9 @@ class PlannedReader:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = ctx.print_on_execution_start = False
         logging.getLogger("ray.data").setLevel(logging.WARNING)
-        node = ray.get_runtime_context().get_node_id()
-        ds = planned_dataset(self.cfg, self.files, reads, node_id=node)
-        return iter(ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2))
+        ds = planned_dataset(self.cfg, self.files, reads)
+        batches = ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2)
+        return _started(batches)
 
     def _assemble(self, blocks: Iterator[Columns], fg: Group) -> Columns:
         """Row group ``fg`` whole, from the next block(s) (a large group may come in

@@ -253,6 +253,7 @@ class _Trainer:
         self.stop_reason: str | None = None  # "stopped" (trainer.stop_at_step), "preempted"
         self.train_rows = train_rows  # samples in one epoch of the train split
         self.startup: dict[str, float] = {}
+        self.reader: PlannedReader | None = None
         self.task = cfg.model.task
         self.format = data_format(cfg.data.format)  # its decoding, augmentation, shapes
         self.classes = getattr(cfg.model, "classes", 0)
@@ -262,6 +263,7 @@ class _Trainer:
         self.times = PhaseTimes()
         self._step_digest = 0  # the last step's ids_digest over all ranks
         self._first_batch_s: float | None = None  # group start -> its first batch here
+        self.data_ready_s: float | None = None  # group start -> its first batch read
         self.train_start = self.train_end = time.perf_counter()
         self.steady_start: float | None = None
         self.steady_samples = 0
@@ -283,6 +285,7 @@ class _Trainer:
 
     # -- training ---------------------------------------------------------------------
     def train(self, reader: PlannedReader, val_files: list[str]) -> None:
+        self.reader = reader
         self.engine.train()
         self.times.session_start = self.train_start = time.perf_counter()
         while not self._done():
@@ -319,6 +322,10 @@ class _Trainer:
             return None
         if self._first_batch_s is None and self.startup:
             self._first_batch_s = t1 - self.startup["since"]
+            if self.reader is not None and self.reader.first_batch_ready_s is not None:
+                # the reader started with the group (before DeepSpeed, the restore)
+                self.data_ready_s = self.reader.first_batch_ready_s
+                self.data_ready_s += self.reader.started - self.startup["since"]
         rows, self._step_digest = self._all_reduce_step(batch.rows, ids_digest(batch.sample_id))
         # the step's all-reduce waits for the slowest rank: communication (with
         # backward, as the gradient all-reduce), not data
@@ -349,6 +356,7 @@ class _Trainer:
                 world_size=self.world,
                 **parts,
                 first_batch_s=round(self._first_batch_s or 0.0, 3),
+                data_ready_s=round(self.data_ready_s or 0.0, 3),
                 first_step_s=round(time.perf_counter() - self.startup["since"], 3),
             )
 
