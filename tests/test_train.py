@@ -240,6 +240,24 @@ def test_every_world_size_trains_the_same_batches_and_a_resize_resumes_them(smal
     )
     assert worst < 1e-4, worst  # fp32 sums in another order; another batch differs by ~10%
 
+    # any step's samples can be named after the run, without it (a loss spike replayed)
+    import subprocess
+    import sys
+
+    from elastic.cluster.localcluster import REPO
+    from elastic.data.ids import ids_digest
+
+    for step in (5, 20):
+        out = subprocess.run(
+            [sys.executable, str(REPO / "launch" / "batch.py"), str(tmp_path / "cut"),
+             str(step), "--data", str(small_data / "train")],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        batch = json.loads(out.stdout)
+        assert (batch["epoch"], batch["step_in_epoch"]) == ((step - 1) // 16, (step - 1) % 16 + 1)
+        assert len(set(batch["sample_ids"])) == len(batch["sample_ids"]) == 64
+        assert ids_digest(np.array(batch["sample_ids"])) == by_cut[step]["train/batch_digest"]
+
 
 def test_a_resume_on_shards_that_changed_is_refused_in_one_line(small_data, tmp_path):
     """Shards added, removed or rewritten between a checkpoint and its resume would

@@ -30,10 +30,8 @@ file order; inside the plan by its *position* in the epoch's row order.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -277,67 +275,6 @@ class EpochPlan:
         k, _ = self.locate(np.concatenate(parts))
         counts = np.bincount(k, minlength=len(self._order))
         return {self.group(int(i)): int(counts[i]) for i in np.flatnonzero(counts)}
-
-
-# -- the data a plan was made for, as a checkpoint keeps it -----------------------------
-def plan_record(
-    files: Sequence[str],
-    layout: Layout,
-    global_batch: int,
-    lanes: int,
-    window: int,
-    seed: int,
-    shuffle: bool,
-) -> dict[str, Any]:
-    """What fixes every global batch of a run: the split's files and row groups, and the
-    plan's settings. Kept in each checkpoint; a resume compares it with the data now."""
-    return {
-        "files": [os.path.basename(f) for f in files],
-        "row_groups": [list(r) for r in layout.rows],
-        "global_batch_size": global_batch,
-        "lanes": lanes,
-        "window": window,
-        "seed": seed,
-        "shuffle": shuffle,
-    }
-
-
-SETTING_KEYS = {
-    "global_batch_size": "data.global_batch_size",
-    "lanes": "data.lanes",
-    "window": "data.shuffle_window_rows",
-    "seed": "data.seed",
-    "shuffle": "data.shuffle",
-}
-
-
-def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
-    """The first way the split in ``now`` differs from the one in ``saved`` (two
-    :func:`plan_record` results), in words, or None when it is the same data."""
-    before = dict(zip(saved["files"], saved["row_groups"], strict=True))
-    after = dict(zip(now["files"], now["row_groups"], strict=True))
-    gone = [f for f in before if f not in after]
-    new = [f for f in after if f not in before]
-    for names, what in ((gone, "is gone"), (new, "is new")):
-        if names:
-            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-            return f"shard {names[0]} {what}{more}"
-    for name, groups in before.items():
-        if list(after[name]) != list(groups):
-            return (
-                f"shard {name} holds {sum(after[name])} rows in {len(after[name])} row "
-                f"group(s), {sum(groups)} in {len(groups)} when the checkpoint was written"
-            )
-    return None
-
-
-def setting_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """The plan settings that differ, as ``key=now (was saved)``."""
-    return [
-        f"{key}={now[name]} (was {saved[name]})"
-        for name, key in SETTING_KEYS.items()
-        if saved.get(name) != now[name]
-    ]
 
 
 # -- worker side ----------------------------------------------------------------------

@@ -15,6 +15,7 @@ only the groups it has not met yet.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from elastic.config.schema import DataConfig
-from elastic.data.order import GROUP_COLUMNS, EpochPlan, Group, Layout, SliceAssembler, plan_record
+from elastic.data.order import GROUP_COLUMNS, EpochPlan, Group, Layout, SliceAssembler
 from elastic.data.stream import StepBatch
 from elastic.errors import DataError
 
@@ -50,16 +51,56 @@ def epoch_plan(cfg: DataConfig, layout: Layout, epoch: int) -> EpochPlan:
 
 
 def data_record(cfg: DataConfig, files: list[str], layout: Layout) -> dict[str, Any]:
-    """What a checkpoint keeps of the data its batches came from."""
-    return plan_record(
-        files,
-        layout,
-        cfg.global_batch_size,
-        lanes_of(cfg),
-        cfg.shuffle_window_rows,
-        cfg.seed,
-        cfg.shuffle,
-    )
+    """What fixes every global batch of a run: the split's files and row groups, and the
+    plan's settings. Kept in each checkpoint; a resume compares it with the data now
+    (:func:`data_changes`, :func:`setting_changes`)."""
+    return {
+        "files": [os.path.basename(f) for f in files],
+        "row_groups": [list(r) for r in layout.rows],
+        "global_batch_size": cfg.global_batch_size,
+        "lanes": lanes_of(cfg),
+        "window": cfg.shuffle_window_rows,
+        "seed": cfg.seed,
+        "shuffle": cfg.shuffle,
+    }
+
+
+SETTING_KEYS = {
+    "global_batch_size": "data.global_batch_size",
+    "lanes": "data.lanes",
+    "window": "data.shuffle_window_rows",
+    "seed": "data.seed",
+    "shuffle": "data.shuffle",
+}
+
+
+def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """The first way the split in ``now`` differs from the one in ``saved`` (two
+    :func:`data_record` results), in words, or None when it is the same data."""
+    before = dict(zip(saved["files"], saved["row_groups"], strict=True))
+    after = dict(zip(now["files"], now["row_groups"], strict=True))
+    gone = [f for f in before if f not in after]
+    new = [f for f in after if f not in before]
+    for names, what in ((gone, "is gone"), (new, "is new")):
+        if names:
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            return f"shard {names[0]} {what}{more}"
+    for name, groups in before.items():
+        if list(after[name]) != list(groups):
+            return (
+                f"shard {name} holds {sum(after[name])} rows in {len(after[name])} row "
+                f"group(s), {sum(groups)} in {len(groups)} when the checkpoint was written"
+            )
+    return None
+
+
+def setting_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The plan settings that differ, as ``key=now (was saved)``."""
+    return [
+        f"{key}={now[name]} (was {saved[name]})"
+        for name, key in SETTING_KEYS.items()
+        if saved.get(name) != now[name]
+    ]
 
 
 _EPOCH_END = object()
@@ -183,8 +224,11 @@ class PlannedReader:
         from elastic.data.pipeline import decoder, read_columns
 
         f, g = fg
-        shard = pq.ParquetFile(self.files[f])
-        table = shard.read_row_group(g, columns=read_columns(self.cfg, shard.schema_arrow))
+        try:
+            shard = pq.ParquetFile(self.files[f])
+            table = shard.read_row_group(g, columns=read_columns(self.cfg, shard.schema_arrow))
+        except Exception as e:  # damaged_shard() reads it again to tell a damaged page
+            raise OSError(f"reading shard {self.files[f]} (parquet): {e}") from e
         if table.num_rows != self.layout.rows[f][g]:
             raise self._changed(f, g, table.num_rows, self.layout.rows[f][g])
         decode, kwargs = decoder(self.cfg, self.files[0])

@@ -76,7 +76,7 @@ def damaged_shard(exc: BaseException, dirs: list[str | None]) -> str | None:
     text = "\n".join(str(e) for e in exception_chain(exc))
     if "parquet" not in text.lower() and "arrow" not in text.lower():
         return None
-    named = re.findall(r"Failed to read fragment (\S+?\.parquet)", text)
+    named = re.findall(r"(?:Failed to read fragment|reading shard) (\S+?\.parquet)", text)
     files = list(dict.fromkeys(named)) or [
         f for d in dirs if d and os.path.isdir(d) for f in list_shards(d)
     ]

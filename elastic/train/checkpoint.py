@@ -77,7 +77,7 @@ class TrainerState:
     """The step the current epoch began after: the run is at step ``step -
     epoch_start_step`` of the epoch's plan (:mod:`elastic.data.order`)."""
     data: dict[str, Any] = field(default_factory=dict)
-    """The data the batches are planned on (:func:`elastic.data.order.plan_record`); a
+    """The data the batches are planned on (:func:`elastic.data.reader.data_record`); a
     resume checks the data it finds against it."""
     samples_seen: int = 0
     loss_first: float | None = None

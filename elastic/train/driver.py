@@ -14,9 +14,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from elastic.config.schema import TrainConfig
-from elastic.data.order import Layout, data_changes, setting_changes
+from elastic.data.order import Layout
 from elastic.data.pipeline import fits_cache
-from elastic.data.reader import data_record
+from elastic.data.reader import data_changes, data_record, setting_changes
 from elastic.data.shards import Split, check_dataset
 from elastic.errors import CheckpointError, ConfigError, RunError
 from elastic.observe.metrics import (
