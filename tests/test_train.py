@@ -41,7 +41,13 @@ def test_zero_stage_trains_checkpoints_and_resumes_exactly(stage, small_data, tm
         "optim.lr=0.005",
     ]
     one_epoch = [{"epoch": 0, "trained": 1000, "duplicates": 0}]
-    full = train(small_overrides(small_data, tmp_path, *common, "run.name=full"))
+    tracked = [  # one of the runs is tracked in W&B too (validation changes no step)
+        "logger=wandb",
+        "trainer.val_every_steps=4",
+        "metrics.target='val/r2>=0.9999'",  # out of reach in 16 steps
+    ]
+    full_run = [o for o in common if o != "logger=none"] + tracked if stage == 2 else common
+    full = train(small_overrides(small_data, tmp_path, *full_run, "run.name=full"))
     assert full["status"] == "finished" and full["steps"] == 16
     assert full["world_sizes"] == [2]
     assert full["epochs_closed"] == one_epoch
@@ -77,28 +83,21 @@ def test_zero_stage_trains_checkpoints_and_resumes_exactly(stage, small_data, tm
     expected, got = _losses(os.path.join(tmp_path, "full")), _losses(cut_dir)
     for step in range(6, 17):
         assert got[step] == expected[step], (step, got[step], expected[step])
+    if stage == 2:
+        _assert_wandb_offline_run_holds_the_logged_metrics(full, tmp_path / "full")
 
 
-def test_wandb_offline_run_holds_the_logged_metrics(small_data, tmp_path):
+def _assert_wandb_offline_run_holds_the_logged_metrics(summary: dict, run_dir) -> None:
+    """The W&B offline files, read with wandb's own record classes, hold every logged
+    metric on our step axis, the validations, the start event; a target never met is
+    recorded with no time to it."""
     from wandb_records import history
 
-    summary = train(
-        small_overrides(
-            small_data,
-            tmp_path,
-            "trainer.max_steps=6",
-            "logger=wandb",
-            "run.name=tracked",
-            "trainer.val_every_steps=4",
-            "metrics.target='val/r2>=0.9999'",  # out of reach in 6 steps
-        )
-    )
-    # a run that never met its target: recorded, with no time to it
     assert summary["target"] == "val/r2>=0.9999" and summary["time_to_target_s"] is None
     assert summary["val"]["r2"] < 0.9999
-    run_dir = summary["wandb_dir"]
-    assert run_dir and os.path.basename(run_dir).startswith("offline-run-")
-    rows = history(run_dir)
+    wandb_dir = summary["wandb_dir"]
+    assert wandb_dir and os.path.basename(wandb_dir).startswith("offline-run-")
+    rows = history(wandb_dir)
     keys = set().union(*rows)
     for key in (
         "train/loss",
@@ -106,70 +105,58 @@ def test_wandb_offline_run_holds_the_logged_metrics(small_data, tmp_path):
         "train/samples_per_s",
         "train/data_wait_share",
         "train/world_size",
+        "train/batch_digest",
         "val/loss",
         "val/r2",
     ):
         assert key in keys, key
     # our step axis (W&B's own _step only grows; a restart logs steps again)
     steps = [r["trainer/step"] for r in rows if "train/loss" in r]
-    assert steps == [1, 2, 3, 4, 5, 6]
+    assert steps == list(range(1, 17))
     # validation mid-run (every 4 steps) and at the end
-    assert [r["trainer/step"] for r in rows if "val/loss" in r] == [4, 6]
+    assert [r["trainer/step"] for r in rows if "val/loss" in r] == [4, 8, 12, 16]
     # the run's start is an event there too
     assert [r["event/world_size/world_size"] for r in rows if "event/world_size" in r] == [2]
     logged = {r["trainer/step"]: r["train/loss"] for r in rows if "train/loss" in r}
-    assert logged == _losses(os.path.join(tmp_path, "tracked"))
+    assert logged == _losses(run_dir)
 
 
-def test_cached_epochs_train_exactly_as_streamed_ones(small_data, tmp_path):
+def test_cached_and_streamed_epochs_train_alike_and_resume_in_a_later_epoch_exactly(
+    small_data, tmp_path
+):
     """The train split fits data.cache_mb, so each worker keeps every row group it reads
     and later epochs come from its memory; with data.cache_mb=0 every epoch is read
     again through Ray Data. The plan is the same: the same losses to the bit, every
-    epoch trained once."""
-    common = [
-        "trainer.max_steps=0",
-        "trainer.max_epochs=3",
-        "logger=none",
-    ]
-    runs = {}
-    for name, cache in (("cached", "data.cache_mb=512"), ("streamed", "data.cache_mb=0")):
-        runs[name] = train(
-            small_overrides(small_data, tmp_path, *common, cache, f"run.name={name}")
-        )
-        assert runs[name]["epochs_closed"] == [
-            {"epoch": e, "trained": 1000, "duplicates": 0} for e in range(3)
-        ]
-    cached, streamed = _losses(tmp_path / "cached"), _losses(tmp_path / "streamed")
-    assert len(cached) == runs["cached"]["steps"] >= 3 * 16
-    assert cached == streamed
-    # a process that trains again and again (a notebook; this suite) keeps no run's
-    # Ray Train controller (~400 MB each) once its fit() has returned
-    assert _eventually(lambda: not _processes("ray::TrainController")), "controllers left"
-
-
-@pytest.mark.parametrize("cache", ["cached", "streamed"])
-def test_a_resume_in_a_later_epoch_continues_exactly(cache, small_data, tmp_path):
-    """Files in a new order every epoch (data.shuffle_files, the default): a run stopped
-    in its second epoch and resumed continues bit for bit, whether the later epochs come
-    from the worker cache (blocks reordered per epoch) or are read again (the file
-    order of the epoch it resumes in); every epoch trained once."""
+    epoch trained once. Each way, a run stopped in its second epoch (a new row order
+    every epoch) and resumed continues bit for bit."""
     common = [
         "trainer.max_steps=0",
         "trainer.max_epochs=3",
         "logger=none",
         "checkpoint.every_steps=0",
-        "data.cache_mb=512" if cache == "cached" else "data.cache_mb=0",
     ]
-    full = train(small_overrides(small_data, tmp_path, *common, "run.name=full"))
-    assert full["steps"] == 48
-    cut = [*common, "run.name=cut"]
-    stopped = train(small_overrides(small_data, tmp_path, *cut, "trainer.stop_at_step=20"))
-    assert stopped["status"] == "stopped" and stopped["steps"] == 20
-    resumed = train(small_overrides(small_data, tmp_path, *cut))
-    assert resumed["status"] == "finished" and resumed["steps"] == 48
-    assert_every_epoch_once(resumed, small_data / "train", epochs=3, rows=1000)
-    expected, got = _losses(tmp_path / "full"), _losses(tmp_path / "cut")
-    assert [got[s] for s in range(21, 49)] == [expected[s] for s in range(21, 49)]
+    losses = {}
+    for name, cache in (("cached", "data.cache_mb=512"), ("streamed", "data.cache_mb=0")):
+        run = [*common, cache]
+        full = train(small_overrides(small_data, tmp_path, *run, f"run.name={name}"))
+        assert full["steps"] == 48
+        assert full["epochs_closed"] == [
+            {"epoch": e, "trained": 1000, "duplicates": 0} for e in range(3)
+        ]
+        losses[name] = _losses(tmp_path / name)
+        cut = [*run, f"run.name={name}-cut"]
+        stopped = train(small_overrides(small_data, tmp_path, *cut, "trainer.stop_at_step=20"))
+        assert stopped["status"] == "stopped" and stopped["steps"] == 20
+        resumed = train(small_overrides(small_data, tmp_path, *cut))
+        assert resumed["status"] == "finished" and resumed["steps"] == 48
+        assert_every_epoch_once(resumed, small_data / "train", epochs=3, rows=1000)
+        got = _losses(tmp_path / f"{name}-cut")
+        assert [got[s] for s in range(21, 49)] == [losses[name][s] for s in range(21, 49)]
+    assert len(losses["cached"]) == 48
+    assert losses["cached"] == losses["streamed"]
+    # a process that trains again and again (a notebook; this suite) keeps no run's
+    # Ray Train controller (~400 MB each) once its fit() has returned
+    assert _eventually(lambda: not _processes("ray::TrainController")), "controllers left"
 
 
 def _processes(title: str) -> list[int]:
@@ -205,12 +192,46 @@ def _records(run_dir) -> dict[int, dict]:
     return out
 
 
+def _refuse_changed_shards(data, resume: list[str]) -> None:
+    """Shards removed, added or rewritten between a checkpoint and its resume, and a plan
+    setting changed mid-epoch, would re-map the epoch's rows: each resume ends before Ray
+    starts, naming the shard or key; then the data is as it was."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from elastic.errors import CheckpointError
+
+    shard = sorted((data / "train").glob("*.parquet"))[-1]
+    kept = data / shard.name  # out of the split
+    shutil.move(shard, kept)
+    with pytest.raises(CheckpointError, match=rf"{shard.name} is gone.*restore the shards"):
+        train(resume)
+    shutil.copy(kept, shard)
+    shutil.copy(kept, data / "train" / "part-99999.parquet")
+    with pytest.raises(CheckpointError, match="part-99999.parquet is new"):
+        train(resume)
+    os.remove(data / "train" / "part-99999.parquet")
+    table = pq.read_table(kept)
+    pq.write_table(table.slice(0, table.num_rows - 1), shard)  # one row fewer
+    with pytest.raises(CheckpointError, match=rf"{shard.name} holds {table.num_rows - 1} rows"):
+        train(resume)
+    shutil.move(kept, shard)  # as it was
+    with pytest.raises(CheckpointError, match=r"data.global_batch_size=32 \(was 64\)"):
+        train([*resume, "data.global_batch_size=32"])
+
+
 def test_every_world_size_trains_the_same_batches_and_a_resize_resumes_them(small_data, tmp_path):
     """The global batch is a function of (data, seed, epoch, step) alone: one worker,
     and a run at 3 workers (which do not divide the batch of 64) stopped in the middle
     of its first epoch and resumed at 2, train the same rows at every step (their ids
     digests equal the plan's, computed apart from the runs) with the same loss up to
-    fp32 summation order, and every sample of both epochs once."""
+    fp32 summation order, and every sample of both epochs once. Before that resume,
+    resumes on changed shards are refused in one line."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(small_data, data)
     common = [
         "trainer.max_steps=0",
         "trainer.max_epochs=2",
@@ -218,19 +239,21 @@ def test_every_world_size_trains_the_same_batches_and_a_resize_resumes_them(smal
         "checkpoint.every_steps=0",
         "data.lanes=12",  # the row order's lanes, fixed: not derived from max_workers
     ]
-    one = train(small_overrides(small_data, tmp_path, *common, "scaling.workers=1", "run.name=one"))
+    one = train(small_overrides(data, tmp_path, *common, "scaling.workers=1", "run.name=one"))
     assert one["status"] == "finished" and one["steps"] == 32 and one["world_sizes"] == [1]
     cut = [*common, "run.name=cut"]
     stopped = train(
-        small_overrides(small_data, tmp_path, *cut, "scaling.workers=3", "trainer.stop_at_step=7")
+        small_overrides(data, tmp_path, *cut, "scaling.workers=3", "trainer.stop_at_step=7")
     )
     assert stopped["status"] == "stopped" and stopped["world_sizes"] == [3]
-    resumed = train(small_overrides(small_data, tmp_path, *cut, "scaling.workers=2"))
+    resume = small_overrides(data, tmp_path, *cut, "scaling.workers=2")
+    _refuse_changed_shards(data, resume)
+    resumed = train(resume)
     assert resumed["status"] == "finished" and resumed["steps"] == 32
     assert resumed["world_sizes"] == [3, 2]
-    assert_every_epoch_once(resumed, small_data / "train", epochs=2, rows=1000)
+    assert_every_epoch_once(resumed, data / "train", epochs=2, rows=1000)
 
-    planned = planned_digests(small_data / "train", {"global_batch_size": 64, "lanes": 12}, 32)
+    planned = planned_digests(data / "train", {"global_batch_size": 64, "lanes": 12}, 32)
     by_one, by_cut = _records(tmp_path / "one"), _records(tmp_path / "cut")
     assert {s: r["train/batch_digest"] for s, r in by_one.items()} == planned
     assert {s: r["train/batch_digest"] for s, r in by_cut.items()} == planned
@@ -250,44 +273,10 @@ def test_every_world_size_trains_the_same_batches_and_a_resize_resumes_them(smal
     for step in (5, 20):
         out = subprocess.run(
             [sys.executable, str(REPO / "launch" / "batch.py"), str(tmp_path / "cut"),
-             str(step), "--data", str(small_data / "train")],
+             str(step), "--data", str(data / "train")],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
         batch = json.loads(out.stdout)
         assert (batch["epoch"], batch["step_in_epoch"]) == ((step - 1) // 16, (step - 1) % 16 + 1)
         assert len(set(batch["sample_ids"])) == len(batch["sample_ids"]) == 64
         assert ids_digest(np.array(batch["sample_ids"])) == by_cut[step]["train/batch_digest"]
-
-
-def test_a_resume_on_shards_that_changed_is_refused_in_one_line(small_data, tmp_path):
-    """Shards added, removed or rewritten between a checkpoint and its resume would
-    re-map the epoch's rows: the resume ends before Ray starts, naming the shard."""
-    import shutil
-
-    from elastic.errors import CheckpointError
-
-    data = tmp_path / "data"
-    shutil.copytree(small_data, data)
-    run = ["logger=none", "checkpoint.every_steps=0", "run.name=changing"]
-    stopped = train(small_overrides(data, tmp_path, *run, "trainer.stop_at_step=3"))
-    assert stopped["status"] == "stopped"
-    shard = sorted((data / "train").glob("*.parquet"))[-1]
-    moved = shutil.move(shard, tmp_path / shard.name)
-    with pytest.raises(CheckpointError, match=rf"{shard.name} is gone.*restore the shards"):
-        train(small_overrides(data, tmp_path, *run))
-    shutil.copy(moved, shard)
-    shutil.copy(moved, data / "train" / "part-99999.parquet")
-    with pytest.raises(CheckpointError, match="part-99999.parquet is new"):
-        train(small_overrides(data, tmp_path, *run))
-    os.remove(data / "train" / "part-99999.parquet")
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(moved)
-    pq.write_table(table.slice(0, table.num_rows - 1), shard)  # one row fewer
-    with pytest.raises(CheckpointError, match=rf"{shard.name} holds {table.num_rows - 1} rows"):
-        train(small_overrides(data, tmp_path, *run))
-    shutil.copy(moved, shard)  # as it was: the run resumes
-    mid = small_overrides(data, tmp_path, *run, "data.global_batch_size=32")
-    with pytest.raises(CheckpointError, match=r"data.global_batch_size=32 \(was 64\)"):
-        train(mid)
-    assert train(small_overrides(data, tmp_path, *run))["status"] == "finished"

@@ -142,6 +142,7 @@ def train_loop(config: dict[str, Any]) -> None:
             tracker.event(state.step, "stale_checkpoints_removed", names=sorted(stale))
 
     trainer = _Trainer(cfg, engine, plan, state, tracker, rank, world, control, args.train_rows)
+    trainer.steps_per_epoch = epoch_plan(cfg.data, args.layout, 0).steps  # every epoch's
     trainer.startup = {"since": started, **startup}
     try:
         trainer.train(reader, args.val_files)
@@ -254,6 +255,7 @@ class _Trainer:
         self.train_rows = train_rows  # samples in one epoch of the train split
         self.startup: dict[str, float] = {}
         self.reader: PlannedReader | None = None
+        self.steps_per_epoch = 0
         self.task = cfg.model.task
         self.format = data_format(cfg.data.format)  # its decoding, augmentation, shapes
         self.classes = getattr(cfg.model, "classes", 0)
@@ -282,6 +284,13 @@ class _Trainer:
             or (t.max_epochs > 0 and s.epoch >= t.max_epochs)
             or self.stop_reason is not None
         )
+
+    def _ends_here(self) -> bool:
+        """This step is the run's last (a stopping rule, or the last step of the last
+        epoch, which closes only after it)."""
+        s, t = self.state, self.cfg.trainer
+        last_epoch = t.max_epochs > 0 and s.epoch + 1 >= t.max_epochs
+        return self._done() or (last_epoch and s.step - s.epoch_start_step >= self.steps_per_epoch)
 
     # -- training ---------------------------------------------------------------------
     def train(self, reader: PlannedReader, val_files: list[str]) -> None:
@@ -501,14 +510,14 @@ class _Trainer:
         if t.stop_at_step and s.step >= t.stop_at_step:
             self.stop_reason = "stopped"
             return  # the final checkpoint in finish() covers it
-        if self._done():
-            return
+        if self._ends_here():
+            return  # the final checkpoint in finish() covers it
         if every and s.step % every == 0:
             self._save({"step": s.step, "loss": s.loss_last})
 
     def _maybe_validate(self, val_files: list[str]) -> None:
         every = self.cfg.trainer.val_every_steps
-        if every and val_files and self.state.step % every == 0 and not self._done():
+        if every and val_files and self.state.step % every == 0 and not self._ends_here():
             self.validate(val_files)  # the final validation after training covers the end
 
     def _sync_ledger(self) -> None:
