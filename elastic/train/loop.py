@@ -90,6 +90,7 @@ def train_loop(config: dict[str, Any]) -> None:
             integrity.check_intact(path)
         state = ckpt.read_state(path) if path else ckpt.TrainerState()
         state.data = args.data_record  # the driver checked a resumed run's against it
+        steps_per_epoch = epoch_plan(cfg.data, args.layout, 0).steps  # every epoch's
         # this rank's row groups from the resume step on, read while DeepSpeed starts
         reader = PlannedReader(
             cfg.data,
@@ -99,7 +100,7 @@ def train_loop(config: dict[str, Any]) -> None:
             world,
             first_epoch=state.epoch,
             first_step=state.step - state.epoch_start_step,
-            epochs=_epochs_left(cfg, args.layout, state),
+            epochs=_epochs_left(cfg, steps_per_epoch, state),
             cache=args.cache_train,
             empty=data_format(cfg.data.format).empty_batch(cfg.data, cfg.model),
         )
@@ -142,7 +143,7 @@ def train_loop(config: dict[str, Any]) -> None:
             tracker.event(state.step, "stale_checkpoints_removed", names=sorted(stale))
 
     trainer = _Trainer(cfg, engine, plan, state, tracker, rank, world, control, args.train_rows)
-    trainer.steps_per_epoch = epoch_plan(cfg.data, args.layout, 0).steps  # every epoch's
+    trainer.steps_per_epoch = steps_per_epoch
     trainer.startup = {"since": started, **startup}
     try:
         trainer.train(reader, args.val_files)
@@ -163,7 +164,7 @@ def train_loop(config: dict[str, Any]) -> None:
     dist.barrier()
 
 
-def _epochs_left(cfg: TrainConfig, layout: Layout, state: ckpt.TrainerState) -> int | None:
+def _epochs_left(cfg: TrainConfig, per_epoch: int, state: ckpt.TrainerState) -> int | None:
     """Epochs this group may still start (the one it is in included), from the stopping
     rules: the reader then reads no epoch the run will not train."""
     t, bounds = cfg.trainer, []
@@ -171,7 +172,6 @@ def _epochs_left(cfg: TrainConfig, layout: Layout, state: ckpt.TrainerState) -> 
         bounds.append(t.max_epochs - state.epoch)
     last = min(s for s in (t.max_steps, t.stop_at_step, 2**62) if s > 0)
     if last < 2**62:
-        per_epoch = epoch_plan(cfg.data, layout, 0).steps  # the same every epoch
         into = state.step - state.epoch_start_step
         bounds.append(max(1, -(-(last - state.step + into) // per_epoch)))
     return min(bounds) if bounds else None
