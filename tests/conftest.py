@@ -67,6 +67,35 @@ def small_overrides(data_root, storage, *extra: str) -> list[str]:
     ]
 
 
+def cluster_data(root, rows: int, seed: int):
+    """The multi-node tests' dataset: ``rows`` training rows of 64 features, 4 classes,
+    in shards of 256 rows and row groups of 64."""
+    from elastic.datasets.synthetic import generate
+
+    generate(str(root / "train"), str(root / "val"), rows, 256, 8, 64, 4, seed=seed)
+    return root
+
+
+def cluster_overrides(data, hidden: int, batch: int, epochs: int, *extra: str) -> list[str]:
+    """The multi-node tests' run: a checkpoint every 5 steps, a log line every step."""
+    return [
+        "+experiment=smoke",
+        f"data.path={data}/train",
+        f"data.val_path={data}/val",
+        "model.input_dim=64",
+        "model.output_dim=4",
+        f"model.hidden_dims=[{hidden},{hidden}]",
+        f"data.global_batch_size={batch}",
+        "trainer.max_steps=0",
+        f"trainer.max_epochs={epochs}",
+        "trainer.log_every_steps=1",
+        "checkpoint.every_steps=5",
+        "logger=none",
+        "scaling.resize_interval_s=2",
+        *extra,
+    ]
+
+
 def train(overrides: list[str]) -> dict:
     """Compose, validate and train in-process, as ``launch/run.py`` does."""
     from elastic.config.compose import compose, plain, typed_config

@@ -9,7 +9,13 @@ import signal
 import time
 
 import pytest
-from conftest import FAST_POLL, assert_every_epoch_once, planned_digests
+from conftest import (
+    FAST_POLL,
+    assert_every_epoch_once,
+    cluster_data,
+    cluster_overrides,
+    planned_digests,
+)
 
 from elastic.cluster.localcluster import RayCluster, Run, saving_pids
 
@@ -20,31 +26,11 @@ ROWS, BATCH, EPOCHS = 2048, 64, 6
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from elastic.datasets.synthetic import generate
-
-    root = tmp_path_factory.mktemp("elastic-data")
-    generate(str(root / "train"), str(root / "val"), ROWS, 256, 8, 64, 4, seed=1)
-    return root
+    return cluster_data(tmp_path_factory.mktemp("elastic-data"), ROWS, seed=1)
 
 
 def _overrides(data, *extra: str) -> list[str]:
-    return [
-        "+experiment=smoke",
-        f"data.path={data}/train",
-        f"data.val_path={data}/val",
-        "model.input_dim=64",
-        "model.output_dim=4",
-        "model.hidden_dims=[1024,1024]",
-        f"data.global_batch_size={BATCH}",
-        "trainer.max_steps=0",
-        f"trainer.max_epochs={EPOCHS}",
-        "trainer.log_every_steps=1",
-        "checkpoint.every_steps=5",
-        "logger=none",
-        "scaling.resize_interval_s=2",
-        FAST_POLL,
-        *extra,
-    ]
+    return cluster_overrides(data, 1024, BATCH, EPOCHS, FAST_POLL, *extra)
 
 
 @pytest.fixture

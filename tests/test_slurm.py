@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_every_epoch_once
+from conftest import assert_every_epoch_once, cluster_data, cluster_overrides
 from slurm_cluster import ENDED, SlurmCluster, missing_requirements
 
 from elastic.cluster.localcluster import REPO, RunFiles
@@ -47,33 +47,13 @@ def slurm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from elastic.datasets.synthetic import generate
-
-    root = tmp_path_factory.mktemp("slurm-data")
-    generate(str(root / "train"), str(root / "val"), ROWS, 256, 8, 64, 4, seed=2)
-    return root
+    return cluster_data(tmp_path_factory.mktemp("slurm-data"), ROWS, seed=2)
 
 
 def overrides(data, *extra: str) -> list[str]:
-    return [
-        "+experiment=smoke",
-        f"data.path={data}/train",
-        f"data.val_path={data}/val",
-        "model.input_dim=64",
-        "model.output_dim=4",
-        "model.hidden_dims=[256,256]",
-        f"data.global_batch_size={BATCH}",
-        "trainer.max_steps=0",
-        "trainer.max_epochs=2",
-        "trainer.log_every_steps=1",
-        "checkpoint.every_steps=5",
-        "logger=none",
-        # a node's 3 CPUs: one worker (2), one for Ray Data's read and decode tasks
-        "scaling.cpus_per_worker=2",
-        "scaling.placement_strategy=SPREAD",
-        "scaling.resize_interval_s=2",
-        *extra,
-    ]
+    # a node's 3 CPUs: one worker (2), one for Ray Data's read and decode tasks
+    cpus = ("scaling.cpus_per_worker=2", "scaling.placement_strategy=SPREAD")
+    return cluster_overrides(data, 256, BATCH, 2, *cpus, *extra)
 
 
 class Job(RunFiles):
