@@ -154,6 +154,23 @@ class ScalingConfig:
         }
 
 
+STRAGGLER_POLICIES = ("report", "rebalance", "evict")
+
+
+@dataclass
+class StragglersConfig:
+    threshold: float = 1.3
+    """A rank whose compute time per step (forward + local backward + optimizer, no
+    collective wait) is over this x the median of the other ranks' ..."""
+    window: int = 3
+    """... for this many log intervals in a row is a straggler (an event, a console
+    line, a W&B alert)."""
+    policy: str = "report"
+    """report: detect and report. rebalance and evict are not built yet."""
+    cooldown_s: float = 600.0
+    """evict: how long an evicted node is not taken back."""
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = 100
@@ -229,3 +246,4 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    stragglers: StragglersConfig = field(default_factory=StragglersConfig)

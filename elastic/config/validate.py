@@ -13,7 +13,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from elastic.config.schema import PLACEMENT_STRATEGIES, RETIRED_KEYS, DataConfig, TrainConfig
+from elastic.config.schema import (
+    PLACEMENT_STRATEGIES,
+    RETIRED_KEYS,
+    STRAGGLER_POLICIES,
+    DataConfig,
+    TrainConfig,
+)
 from elastic.data.formats import data_format
 from elastic.errors import ConfigError
 from elastic.models import MODEL_SCHEMAS
@@ -183,6 +189,7 @@ def validate(cfg: TrainConfig) -> None:
             f"run.name={name!r} is not valid: use a plain folder name (no '/', not '.' or '..')"
         )
     _check_cluster(cfg)
+    _check_stragglers(cfg)
     if type(cfg.model) not in MODEL_SCHEMAS.values():
         raise ConfigError("model is not set: choose one with model=NAME (see conf/model/)")
     cfg.model.validate()
@@ -216,6 +223,25 @@ def _check_lanes(cfg: TrainConfig) -> None:
 
 # Ray refuses a smaller object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES)
 OBJECT_STORE_MINIMUM_MB = 75
+
+
+def _check_stragglers(cfg: TrainConfig) -> None:
+    st = cfg.stragglers
+    if not st.threshold > 1:
+        raise ConfigError(
+            f"stragglers.threshold={st.threshold} is not valid: it must be > 1 (a rank "
+            "this many times slower than the others' median, e.g. 1.3)"
+        )
+    if st.window < 1:
+        raise ConfigError(
+            f"stragglers.window={st.window} is not valid: it must be >= 1 (log intervals)"
+        )
+    _allowed("stragglers.policy", st.policy, STRAGGLER_POLICIES)
+    if st.policy != "report":
+        raise ConfigError(
+            f"stragglers.policy={st.policy} is not built yet: use stragglers.policy=report"
+        )
+    _positive("stragglers.cooldown_s", st.cooldown_s, allow_zero=True)
 
 
 def _check_cluster(cfg: TrainConfig) -> None:

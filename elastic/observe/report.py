@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from elastic.observe.metrics import Target, parse_target, read_records, run_seconds, sessions
+from elastic.observe.summary import PHASES as RUN_PHASES
+from elastic.observe.workers import worker_lines, worker_rows, worker_times_plot
 
-PHASES = ("data_wait", "forward", "backward", "optimizer", "checkpoint", "other")
+PHASES = (*RUN_PHASES, "other")
 MARKED_EVENTS = ("restart", "resume", "preempted", "node_drain")
 
 
@@ -177,7 +179,12 @@ def tables(runs: list[Run]) -> dict[str, list[dict[str, Any]]]:
                 "final_metric_std": final_std,
             }
         )
-    return {"throughput": throughput, "breakdown": breakdown, "learning": learning}
+    return {
+        "throughput": throughput,
+        "breakdown": breakdown,
+        "learning": learning,
+        "workers": worker_rows(runs),
+    }
 
 
 def _val_series(run: Run, key: str) -> tuple[list[float], list[float]]:
@@ -291,6 +298,8 @@ def plots(runs: list[Run], rows: dict[str, list[dict[str, Any]]], out: Path) -> 
         fig.savefig(out / "speedup.png", dpi=120)
         plt.close(fig)
         names.append("speedup.png")
+    if (name := worker_times_plot(runs, out)) is not None:
+        names.append(name)
     return names
 
 
@@ -333,7 +342,8 @@ def markdown(runs: list[Run], rows: dict[str, list[dict[str, Any]]], images: lis
         )
     lines += [
         "",
-        "backward includes the gradient all-reduce (communication); data_wait includes "
+        "comm is the time in the step's collectives (the gradient reduction and the "
+        "per-step all-reduce): it holds the wait for the slowest rank. data_wait includes "
         "the pipeline's start.",
         "",
         f"## Learning: time to {target or 'target (no metrics.target set)'}",
@@ -368,6 +378,7 @@ def markdown(runs: list[Run], rows: dict[str, list[dict[str, Any]]], images: lis
             f"{_fmt(s.get('samples_per_s'), ',.0f')} | {_fmt(s.get('time_to_target_s'), '.1f')} "
             f"| {restarts} | {run.summary_path} |"
         )
+    lines += worker_lines(rows["workers"])
     lines += ["", "## Figures", ""]
     lines += [f"![{name}]({name})" for name in images]
     return "\n".join(lines) + "\n"

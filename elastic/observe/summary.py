@@ -10,6 +10,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+PHASES = ("data_wait", "forward", "backward", "comm", "optimizer", "checkpoint")
+"""Where a worker's training time goes (``time_breakdown``, ``time/<phase>_share``):
+``backward`` is the local backward pass, ``comm`` the time in the step's collectives
+(DeepSpeed's gradient reduction and the per-step all-reduce), which holds the wait for
+the slowest rank; ``other`` (in ``time_breakdown``) is the rest."""
+
 
 @dataclass
 class WorkerSummary:
@@ -27,12 +33,20 @@ class WorkerSummary:
     samples_per_s: float | None = None
     """Steady state: from the end of the first step."""
     time_breakdown: dict[str, float] | None = None
-    """Shares of training wall time: data_wait, forward, backward, optimizer, checkpoint, other."""
+    """Shares of training wall time: data_wait, forward, backward, comm, optimizer,
+    checkpoint, other (rank 0's)."""
     wandb_dir: str | None = None
     epochs_closed: list[dict[str, int]] | None = None
     """Per finished epoch: samples trained and duplicates."""
     samples_exactly_once: bool | None = None
     """From the ledger the surviving checkpoint carries."""
+    workers: list[dict[str, Any]] | None = None
+    """The final worker group's ranks: ``rank``, ``node``, and per step their means of
+    ``compute_s`` (forward + local backward + optimizer), ``data_wait_s``, ``comm_s``,
+    and ``compute_samples_per_s`` (rows / compute time: the rank's own speed)."""
+    slowest_median_ratio: float | None = None
+    """The final group's slowest rank's mean compute time over the ranks' median (1.0:
+    even; a straggler makes every rank wait for it in lock-step)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

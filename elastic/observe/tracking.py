@@ -38,9 +38,9 @@ def json_text(obj: Any, indent: int | None = None) -> str:
 
 # seconds between W&B's flushes of the run's transaction log (see Tracker)
 FLUSH_S = 1.0
-# events worth a W&B alert: the job lost or regained workers, was stopped, or its batch
-# plan changed
-ALERTS = ("restart", "preempted", "node_drain")
+# events worth a W&B alert: the job lost or regained workers, was stopped, or a rank
+# is slowing every step down
+ALERTS = ("restart", "preempted", "node_drain", "straggler")
 
 
 def wandb_key_configured() -> bool:

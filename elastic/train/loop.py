@@ -39,8 +39,15 @@ from elastic.train import integrity
 from elastic.train.batch import BatchPlan
 from elastic.train.control import StopPoller, node_drain_probe
 from elastic.train.divergence import Divergence
-from elastic.train.engine import build_engine, init_distributed, set_base_lr, warm_imports
-from elastic.train.timing import PHASES, PhaseTimes
+from elastic.train.engine import (
+    BackwardClock,
+    build_engine,
+    init_distributed,
+    set_base_lr,
+    warm_imports,
+)
+from elastic.train.stragglers import StragglerWatch
+from elastic.train.timing import COMPUTE, PHASES, PhaseTimes
 
 # Batches arrive as read-only numpy views of Ray's object store; torch only reads them,
 # so we wrap them without a copy and silence torch's warning about writability.
@@ -184,6 +191,19 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _where(world: int) -> list[dict[str, Any]]:
+    """Every rank's place, by rank: its node (IP and the start of its Ray node id: on a
+    one-machine cluster every node has the same IP) and its process id."""
+    import os
+
+    import ray
+
+    node = f"{ray.util.get_node_ip_address()}:{ray.get_runtime_context().get_node_id()[:8]}"
+    places: list[Any] = [None] * world
+    dist.all_gather_object(places, {"node": node, "pid": os.getpid()})
+    return places
+
+
 def _end_run_on_run_error(control: Any) -> Any:
     """An exit callback (``ExitStack.push``): a :class:`RunError` while resuming (a
     checkpoint that is damaged or not plain data) would fail every retry the same way,
@@ -263,14 +283,17 @@ class _Trainer:
         self.device = engine.device
         self.dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
         self.times = PhaseTimes()
+        self._backward_clock = BackwardClock(engine)
+        # every rank's figures each log interval: who is slow (stragglers.*)
+        self.stragglers = StragglerWatch(cfg.stragglers, _where(world))
         self._step_digest = 0  # the last step's ids_digest over all ranks
         self._first_batch_s: float | None = None  # group start -> its first batch here
         self.data_ready_s: float | None = None  # group start -> its first batch read
         self.train_start = self.train_end = time.perf_counter()
         self.steady_start: float | None = None
         self.steady_samples = 0
-        # loss over the current log interval: [sum of per-sample losses, rows]
-        self._interval = torch.zeros(2, dtype=torch.float64)
+        # this rank's log interval: [sum of per-sample losses, rows, steps]
+        self._interval = torch.zeros(3, dtype=torch.float64)
         self._step_loss_sum = torch.zeros((), dtype=torch.float64)  # the last step's
         # non-finite losses or updates, made common by the next per-step all-reduce
         self.divergence = Divergence()
@@ -336,9 +359,8 @@ class _Trainer:
                 self.data_ready_s = self.reader.first_batch_ready_s
                 self.data_ready_s += self.reader.started - self.startup["since"]
         rows, self._step_digest = self._all_reduce_step(batch.rows, ids_digest(batch.sample_id))
-        # the step's all-reduce waits for the slowest rank: communication (with
-        # backward, as the gradient all-reduce), not data
-        self.times.since("backward", t1)
+        # the step's all-reduce waits for the slowest rank: communication, not data
+        self.times.since("comm", t1)
         if rows != batch.global_rows:
             raise RuntimeError(
                 f"step {self.state.step + 1}: the ranks hold {rows} rows, the plan "
@@ -432,7 +454,9 @@ class _Trainer:
             self.times.since("forward", t0)
             t0 = time.perf_counter()
             engine.backward(loss)
-            self.times.since("backward", t0)
+            local, comm = self._backward_clock.split(t0, time.perf_counter())
+            self.times.add("backward", local)
+            self.times.add("comm", comm)
             t0 = time.perf_counter()
             engine.step()
             self.times.since("optimizer", t0)
@@ -454,6 +478,7 @@ class _Trainer:
         self.state.samples_seen += batch.global_rows
         self._interval[0] += self._step_loss_sum
         self._interval[1] += batch.rows
+        self._interval[2] += 1
 
     def _losses(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return per_sample_loss(self.task, output, target, self.classes, self.beta)
@@ -463,14 +488,14 @@ class _Trainer:
         last = (t.max_steps > 0 and s.step >= t.max_steps) or s.step == t.stop_at_step
         if s.step % t.log_every_steps and not last and s.step != 1:
             return
-        totals = self._interval.to(self._collective_device)
-        dist.all_reduce(totals)
-        loss = float(totals[0] / totals[1])
         now = time.perf_counter()
         elapsed = now - self._interval_start
-        samples_per_s = float(totals[1]) / elapsed if elapsed > 0 else 0.0
-        # rank 0's phases; a rank that waits longer in a collective shows it as backward
-        shares = self.times.interval_shares(elapsed)
+        seconds = self.times.take_interval()  # this rank's phases
+        table = self._gather_interval(seconds)  # every rank's: loss sum, then FIGURES
+        loss = float(table[:, 0].sum() / table[:, 4].sum())
+        samples_per_s = float(table[:, 4].sum()) / elapsed if elapsed > 0 else 0.0
+        shares = {p: v / elapsed if elapsed > 0 else 0.0 for p, v in seconds.items()}
+        per_worker, stragglers = self.stragglers.observe(table[:, 1:])
         if s.loss_first is None:
             s.loss_first = loss
         s.loss_last = loss
@@ -490,6 +515,7 @@ class _Trainer:
                 # batches can be compared with another's without reading its data
                 "train/batch_digest": self._step_digest,
                 **{f"time/{p}_share": v for p, v in shares.items()},
+                **per_worker,  # each rank's compute, data wait, communication, speed
             },
             console=(
                 f"[elastic] step {s.step}{self._of_max()} epoch {s.epoch} | loss {loss:.6g} | "
@@ -497,10 +523,26 @@ class _Trainer:
                 f"| world {self.world}"
             ),
         )
+        for event in stragglers:
+            self.tracker.event(s.step, "straggler", world_size=self.world, **event)
         if self._progress is not None:  # the driver's progress display; never waited on
             self._progress.progress.remote(s.step, s.epoch, loss, self.world, samples_per_s)
         self._interval.zero_()
         self._interval_start = now
+
+    def _gather_interval(self, seconds: dict[str, float]) -> np.ndarray:
+        """Every rank's log interval, a row per rank: its loss sum, then the straggler
+        figures (compute, data wait and collective seconds, rows, steps)."""
+        loss_sum, rows, steps = self._interval.tolist()
+        compute = sum(seconds[p] for p in COMPUTE)
+        mine = torch.tensor(
+            [loss_sum, compute, seconds["data_wait"], seconds["comm"], rows, steps],
+            dtype=torch.float64,
+            device=self._collective_device,
+        )
+        rows_of = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(rows_of, mine)
+        return torch.stack(rows_of).cpu().numpy()
 
     def _of_max(self) -> str:
         return f"/{self.cfg.trainer.max_steps}" if self.cfg.trainer.max_steps else ""
@@ -604,6 +646,7 @@ class _Trainer:
         total = max(s.train_wall_s, 1e-9)
         shares = {p: s.time_s.get(p, 0.0) / total for p in PHASES}
         shares["other"] = max(0.0, 1.0 - sum(shares.values()))
+        workers, slowest = self.stragglers.summary()
         summary = WorkerSummary(
             status=self.stop_reason or "finished",
             steps=s.step,
@@ -617,5 +660,7 @@ class _Trainer:
             wandb_dir=self.tracker.wandb_dir,
             epochs_closed=s.ledger.closed_epochs,
             samples_exactly_once=self._exactly_once(),
+            workers=workers,
+            slowest_median_ratio=slowest,
         )
         ckpt.save(self.engine, s, self.rank, {"step": s.step, "summary": summary.to_dict()})

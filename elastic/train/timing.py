@@ -8,7 +8,10 @@ import time
 from collections import defaultdict
 from typing import Any
 
-PHASES = ("data_wait", "forward", "backward", "optimizer", "checkpoint")
+from elastic.observe.summary import PHASES
+
+COMPUTE = ("forward", "backward", "optimizer")
+"""A rank's own work in a step (no collective wait): what stragglers are found by."""
 
 
 class PhaseTimes:
@@ -25,11 +28,11 @@ class PhaseTimes:
         """Count the time from ``t0`` (``time.perf_counter()``) to now as ``phase``."""
         self.add(phase, time.perf_counter() - t0)
 
-    def interval_shares(self, elapsed_s: float) -> dict[str, float]:
-        """Each phase's share of the log interval's ``elapsed_s``; starts a new interval."""
-        shares = {p: self._interval[p] / elapsed_s if elapsed_s > 0 else 0.0 for p in PHASES}
+    def take_interval(self) -> dict[str, float]:
+        """Each phase's seconds in the log interval; starts a new interval."""
+        seconds = {p: self._interval[p] for p in PHASES}
         self._interval.clear()
-        return shares
+        return seconds
 
     def fold_into(self, state: Any) -> None:
         """Add this session's phase seconds and wall time to the trainer state."""

@@ -1,0 +1,102 @@
+"""Stragglers: every rank's own work per step, compared across the ranks.
+
+In lock-step data parallelism each step waits for the slowest rank, so a slow node (a
+throttled GPU, a noisy neighbour, an older node type) sets the pace of all. Each log
+interval every rank's figures per step (:data:`FIGURES`: its compute time, i.e. forward
++ local backward + optimizer without the collectives' wait; its data wait; its time in
+the collectives; its rows) are gathered on every rank; a rank whose compute time is over
+``stragglers.threshold`` x the median of the *other* ranks' for ``stragglers.window``
+intervals in a row is a straggler. (Against the others' median, not all ranks': with 2
+workers the median of both is their mean, and a rank 2x slower would read 1.33x.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from elastic.config.schema import StragglersConfig
+
+FIGURES = ("compute_s", "data_wait_s", "comm_s", "rows", "steps")
+"""What each rank sends each log interval (sums over the interval)."""
+
+
+class StragglerWatch:
+    """The ranks' figures interval by interval: who is slow, and the group's means."""
+
+    def __init__(self, cfg: StragglersConfig, where: list[dict[str, Any]]) -> None:
+        """``where``: each rank's ``node`` and ``pid``, by rank."""
+        self.cfg, self.where = cfg, where
+        world = len(where)
+        self._streak = np.zeros(world, dtype=np.int64)  # intervals in a row over threshold
+        self._flagged: set[int] = set()  # reported, and not fast again since
+        self._sums = np.zeros((world, len(FIGURES)))
+
+    def observe(self, table: np.ndarray) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """One interval's sums, a row per rank (columns :data:`FIGURES`): the figures to
+        log (per rank, per step) and the straggler events this interval starts."""
+        table = np.asarray(table, dtype=np.float64)
+        self._sums += table
+        steps = np.maximum(table[:, FIGURES.index("steps")], 1)
+        compute = table[:, 0] / steps
+        rows = table[:, FIGURES.index("rows")]
+        figures: dict[str, Any] = {}
+        for r in range(len(table)):
+            figures[f"worker_compute_s/rank{r}"] = compute[r]
+            figures[f"worker_data_wait_s/rank{r}"] = table[r, 1] / steps[r]
+            figures[f"worker_comm_s/rank{r}"] = table[r, 2] / steps[r]
+            speed = rows[r] / table[r, 0] if table[r, 0] > 0 else 0.0
+            figures[f"worker_compute_samples_per_s/rank{r}"] = speed
+        events = []
+        if len(table) > 1:
+            median = float(np.median(compute))
+            figures["train/straggler_ratio"] = float(compute.max() / median) if median > 0 else 1.0
+            for r in range(len(table)):
+                ratio = _ratio_to_others(compute, r)
+                if ratio > self.cfg.threshold:
+                    self._streak[r] += 1
+                else:
+                    self._streak[r] = 0
+                    self._flagged.discard(r)
+                if self._streak[r] >= self.cfg.window and r not in self._flagged:
+                    self._flagged.add(r)
+                    events.append({
+                        "rank": r,
+                        **self.where[r],
+                        "ratio": round(ratio, 3),
+                        "compute_s": round(float(compute[r]), 6),
+                        "others_median_s": round(float(np.median(np.delete(compute, r))), 6),
+                        "intervals": int(self._streak[r]),
+                        "threshold": self.cfg.threshold,
+                        "policy": self.cfg.policy,
+                    })  # fmt: skip
+        return figures, events
+
+    def summary(self) -> tuple[list[dict[str, Any]], float | None]:
+        """Per rank, its means per step over the group's intervals so far; the slowest
+        rank's mean compute time over the ranks' median (None: nothing measured)."""
+        steps = np.maximum(self._sums[:, FIGURES.index("steps")], 1)
+        compute = self._sums[:, 0]
+        workers = []
+        for r, place in enumerate(self.where):
+            s = self._sums[r]
+            workers.append({
+                "rank": r,
+                **place,
+                "compute_s": float(s[0] / steps[r]),
+                "data_wait_s": float(s[1] / steps[r]),
+                "comm_s": float(s[2] / steps[r]),
+                "compute_samples_per_s": float(s[3] / s[0]) if s[0] > 0 else 0.0,
+                "steps": int(s[FIGURES.index("steps")]),
+            })  # fmt: skip
+        per_step = compute / steps
+        median = float(np.median(per_step))
+        if not compute.any() or median <= 0:
+            return workers, None
+        return workers, float(per_step.max() / median)
+
+
+def _ratio_to_others(compute: np.ndarray, r: int) -> float:
+    others = float(np.median(np.delete(compute, r)))
+    return float(compute[r] / others) if others > 0 else 1.0

@@ -1,0 +1,172 @@
+"""Stragglers: every rank's own compute time per step, and the slow one found.
+
+The end-to-end test slows one Ray Train worker for real (no injected sleep): its process
+and every thread of it is pinned to one core (``sched_setaffinity``) beside two
+busy-looping processes pinned to the same core, so it gets about a third of that core;
+the other worker has the other core to itself."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+from conftest import FAST_POLL
+
+from elastic.cluster.localcluster import Run
+from elastic.config.compose import preflight
+from elastic.config.schema import StragglersConfig
+from elastic.observe.report import write_report
+from elastic.train.stragglers import FIGURES, StragglerWatch
+
+
+def _table(compute: list[float], steps: int = 4, rows: int = 32) -> np.ndarray:
+    """One interval's sums per rank, in FIGURES' columns."""
+    out = np.zeros((len(compute), len(FIGURES)))
+    out[:, FIGURES.index("compute_s")] = np.array(compute) * steps
+    out[:, FIGURES.index("rows")] = rows * steps
+    out[:, FIGURES.index("steps")] = steps
+    return out
+
+
+def test_a_rank_slow_for_a_whole_window_is_found_once_and_again_after_recovering():
+    where = [{"node": f"n{r}", "pid": 100 + r} for r in range(3)]
+    watch = StragglerWatch(StragglersConfig(threshold=1.3, window=3), where)
+    found = []
+    # rank 2 at 1.5x the others for 2 intervals (too short), fast once, then 4 intervals
+    # slow (found at the 3rd), fast, slow for 3 again (found again)
+    pattern = [1.5, 1.5, 1.0, 1.5, 1.5, 1.5, 1.5, 1.0, 1.5, 1.5, 1.5]
+    for i, slow in enumerate(pattern):
+        figures, events = watch.observe(_table([0.010, 0.011, 0.0105 * slow]))
+        found += [(i, e["rank"], e["node"], e["pid"], e["ratio"]) for e in events]
+        if i == 0:
+            assert figures["worker_compute_s/rank0"] == pytest.approx(0.010)
+            assert figures["worker_compute_samples_per_s/rank1"] == pytest.approx(32 / 0.011)
+            # slowest / median of all three: 0.01575 / 0.011
+            assert figures["train/straggler_ratio"] == pytest.approx(0.01575 / 0.011)
+    # the ratio is against the median of the *other* ranks: 0.01575 / 0.0105
+    assert found == [(5, 2, "n2", 102, 1.5), (10, 2, "n2", 102, 1.5)]
+    workers, slowest = watch.summary()
+    assert [w["node"] for w in workers] == ["n0", "n1", "n2"]
+    assert workers[0]["compute_s"] == pytest.approx(0.010)
+    mean2 = 0.0105 * np.mean(pattern)
+    assert workers[2]["compute_s"] == pytest.approx(mean2)
+    assert slowest == pytest.approx(mean2 / 0.011)
+
+
+def test_two_workers_compare_each_with_the_other():
+    watch = StragglerWatch(StragglersConfig(threshold=1.3, window=1), [{}, {}])
+    _, events = watch.observe(_table([0.010, 0.016]))  # 1.6x the other: 1.23x their mean
+    assert [e["rank"] for e in events] == [1]
+    _, events = watch.observe(_table([0.010]))  # one worker: nobody to compare with
+    assert events == []
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["stragglers.threshold=1.0"], "stragglers.threshold=1.0 is not valid: it must be > 1"),
+        (["stragglers.threshold=0.5"], "stragglers.threshold=0.5 is not valid"),
+        (["stragglers.window=0"], "stragglers.window=0 is not valid: it must be >= 1"),
+        (["stragglers.policy=fastest"], "stragglers.policy='fastest' is not valid: use one of"),
+        (["stragglers.policy=rebalance"], "stragglers.policy=rebalance is not built yet"),
+        (["stragglers.cooldown_s=-1"], "stragglers.cooldown_s=-1.0 is not valid"),
+    ],
+)
+def test_bad_straggler_settings_fail_with_one_line(extra, needle, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        preflight(["+experiment=smoke", f"run.storage_path={tmp_path}/runs", *extra])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2
+    assert err.count("\n") == 0 and needle in err, err
+
+
+def _pin(pid: int, cpu: int) -> None:
+    """Every thread of ``pid`` onto ``cpu`` (threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # a thread that just ended
+            os.sched_setaffinity(int(tid), {cpu})
+
+
+def _train_workers(driver_pid: int) -> list[int]:
+    pids = []
+    for p in psutil.Process(driver_pid).children(recursive=True):
+        try:
+            if "RayTrainWorker" in " ".join(p.cmdline()):
+                pids.append(p.pid)
+        except psutil.Error:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to slow one")
+def test_a_worker_slowed_for_real_is_found_and_the_other_is_not(small_data, tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    fast_cpu, slow_cpu = cpus[0], cpus[1]
+    overrides = [
+        "+experiment=smoke",
+        f"data.path={small_data}/train",
+        f"data.val_path={small_data}/val",
+        "model.input_dim=32",
+        "model.output_dim=4",
+        "data.global_batch_size=64",
+        "cluster.num_cpus=4",  # logical CPUs: 2 workers and Ray Data's read tasks
+        "scaling.workers=2",
+        "model.hidden_dims=[1024,1024]",
+        "trainer.max_steps=120",
+        "trainer.log_every_steps=4",
+        "checkpoint.every_steps=0",
+        "stragglers.window=3",
+        "logger=none",
+        FAST_POLL,
+    ]
+    run = Run(tmp_path, "slowed", overrides)
+    busy = []
+    try:
+        workers = run.wait_for(
+            "2 training workers", lambda: len(w := _train_workers(run.proc.pid)) == 2 and w
+        )
+        slow_pid, fast_pid = workers
+        for _ in range(2):
+            busy.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+            _pin(busy[-1].pid, slow_cpu)
+        _pin(fast_pid, fast_cpu)
+        _pin(slow_pid, slow_cpu)
+        time.sleep(0.5)
+        _pin(slow_pid, slow_cpu)  # threads started meanwhile by unpinned ones
+        _pin(fast_pid, fast_cpu)
+        assert run.finish(timeout=300) == 0, run.output()
+    finally:
+        for p in busy:
+            p.kill()
+        if run.proc.poll() is None:
+            run.proc.kill()
+    summary = run.summary()
+    stragglers = [e for e in summary["events"] if e["event"] == "straggler"]
+    assert stragglers, run.output()
+    assert {e["pid"] for e in stragglers} == {slow_pid}, stragglers
+    assert all(e["ratio"] > 1.3 for e in stragglers)
+    assert "[elastic] straggler at step" in run.output()
+    by_pid = {w["pid"]: w for w in summary["workers"]}
+    assert set(by_pid) == {slow_pid, fast_pid}
+    # the slowed rank's own work took longer; the fast one waited for it in the collectives
+    assert by_pid[slow_pid]["compute_s"] > 1.3 * by_pid[fast_pid]["compute_s"]
+    assert by_pid[fast_pid]["comm_s"] > by_pid[slow_pid]["comm_s"]
+    assert summary["slowest_median_ratio"] > 1.0
+    assert summary["time_breakdown"]["comm"] > 0
+    # every log line holds each rank's figures
+    logged = [r for r in run.records() if "train/loss" in r]
+    assert all(f"worker_compute_s/rank{r}" in rec for rec in logged for r in (0, 1))
+    report = write_report([str(run.dir)], str(tmp_path / "report"))
+    assert (tmp_path / "report" / "worker_times.png").stat().st_size > 0
+    rows = json.loads((tmp_path / "report" / "report.json").read_text())["workers"]
+    slow_rank = by_pid[slow_pid]["rank"]
+    assert {e["rank"] for e in rows[0]["stragglers"]} == {slow_rank}
+    assert "## Workers" in report.read_text()
