@@ -168,6 +168,35 @@ def test_a_rank_assembles_its_slices_from_the_row_groups_it_reads(world, from_st
         assert asm.held_groups == 0  # every group dropped once trained
 
 
+@pytest.mark.parametrize("shares", [(1, 3), (5, 1, 2), (0, 1), (2, 2, 2), (9_000, 1_000)])
+def test_a_weighted_split_trains_the_same_rows_in_proportion_to_the_shares(shares):
+    """Rebalancing (stragglers.policy=rebalance) moves rows between ranks, never out of
+    the step: the slices in rank order are the global batch, each rank's as large as
+    its share of it (within a row)."""
+    from elastic.data.order import SliceAssembler
+
+    p, world = plan(lanes=8, window=40), len(shares)
+    for step in range(p.steps):
+        expected = p.batch(step)
+        slices = [p.slice(step, r, shares) for r in range(world)]
+        assert [row for sl in slices for row in sl] == expected, (step, shares)
+        for r, sl in enumerate(slices):
+            assert abs(len(sl) - len(expected) * shares[r] / sum(shares)) < 1
+    if len(set(shares)) == 1:  # equal shares are the plain world size
+        assert all(
+            p.slice(s, r, shares) == p.slice(s, r, world)
+            for s in range(p.steps)
+            for r in range(world)
+        )
+    for rank in range(world):  # and a rank assembles them from what it reads (a resume)
+        asm = SliceAssembler(p, rank, shares, 4)
+        got = list(asm.steps(_groups(p, p.reads(rank, shares, 4))))
+        for step, batch in got:
+            want = [f * 1_000_000 + g * 1_000 + r for f, g, r in p.slice(step, rank, shares)]
+            assert (batch["sample_id"].tolist() if batch else []) == want
+        assert asm.held_groups == 0
+
+
 def test_blocks_that_do_not_match_the_plan_are_refused():
     from elastic.data.order import SliceAssembler
 

@@ -26,9 +26,11 @@ from elastic.observe.report import write_report
 from elastic.train.stragglers import FIGURES, StragglerWatch
 
 
-def _table(compute: list[float], steps: int = 4, rows: int = 32) -> np.ndarray:
-    """One interval's sums per rank, in FIGURES' columns."""
+def _table(compute: list[float], steps: int = 4, rows: int = 32, fixed=None) -> np.ndarray:
+    """One interval's sums per rank, in FIGURES' columns (``fixed``: the optimizer's
+    part of each rank's compute time per step)."""
     out = np.zeros((len(compute), len(FIGURES)))
+    out[:, FIGURES.index("optimizer_s")] = np.array(fixed or [0.0] * len(compute)) * steps
     out[:, FIGURES.index("compute_s")] = np.array(compute) * steps
     out[:, FIGURES.index("rows")] = rows * steps
     out[:, FIGURES.index("steps")] = steps
@@ -68,6 +70,48 @@ def test_two_workers_compare_each_with_the_other():
     assert events == []
 
 
+def _run_split(watch, cost, shares, batch=64, intervals=3, steps=4, max_rows=None, fixed=0.0):
+    """Intervals of a simulated run in which rank r's compute time per step is
+    ``cost(r, rows)`` (``fixed`` of it the optimizer's), under ``shares``; then the
+    watch's rebalance()."""
+    from elastic.data.order import EpochPlan, Layout
+
+    plan = EpochPlan(Layout(((4096,),)), 0, 0, batch, 8)
+    world = shares if isinstance(shares, int) else len(shares)
+    rows = [hi - lo for lo, hi in (plan.bounds(0, r, shares) for r in range(world))]
+    for _ in range(intervals):
+        table = _table([cost(r, n) for r, n in enumerate(rows)], steps, fixed=[fixed] * len(rows))
+        table[:, FIGURES.index("rows")] = np.array(rows) * steps
+        watch.observe(table)
+    return rows, watch.rebalance(batch, max_rows)
+
+
+def test_rebalance_moves_rows_to_the_faster_rank_until_their_times_even_out():
+    cfg = StragglersConfig(window=3, policy="rebalance")
+    # rank 1 twice as slow per row: shares follow the speeds, 2:1
+    watch = StragglerWatch(cfg, [{}, {}])
+    per_row = (0.001, 0.002)
+    _, _ = _run_split(watch, lambda r, n: n * per_row[r], 2, intervals=2)
+    assert watch.rebalance(64) is None  # not a whole window yet
+    rows, split = _run_split(watch, lambda r, n: n * per_row[r], 2, intervals=1)
+    assert rows == [32, 32] and split is not None
+    rows, again = _run_split(watch, lambda r, n: n * per_row[r], split)
+    assert abs(rows[0] - 64 * 2 / 3) < 1 and again is None  # even now: no more moves
+    # with a fixed cost per step (the optimizer's, measured apart) times come out even
+    # at once: 0.005 + 0.001 x = 0.005 + 0.002 (64 - x) at x = 42.7
+    watch = StragglerWatch(cfg, [{}, {}])
+    cost = lambda r, n: 0.005 + n * per_row[r]  # noqa: E731
+    _, split = _run_split(watch, cost, 2, fixed=0.005)
+    rows, again = _run_split(watch, cost, split, fixed=0.005)
+    assert abs(rows[0] - 42.67) < 1 and again is None
+    # never a slice over max_rows (data.micro_batch_size x accumulation): the rest to
+    # the other rank
+    watch = StragglerWatch(cfg, [{}, {}])
+    _, capped = _run_split(watch, lambda r, n: n * (0.001, 0.010)[r], 2, max_rows=40)
+    rows, _ = _run_split(watch, lambda r, n: n * (0.001, 0.010)[r], capped)
+    assert rows == [40, 24]
+
+
 @pytest.mark.parametrize(
     "extra, needle",
     [
@@ -75,7 +119,7 @@ def test_two_workers_compare_each_with_the_other():
         (["stragglers.threshold=0.5"], "stragglers.threshold=0.5 is not valid"),
         (["stragglers.window=0"], "stragglers.window=0 is not valid: it must be >= 1"),
         (["stragglers.policy=fastest"], "stragglers.policy='fastest' is not valid: use one of"),
-        (["stragglers.policy=rebalance"], "stragglers.policy=rebalance is not built yet"),
+        (["stragglers.policy=evict"], "stragglers.policy=evict is not built yet"),
         (["stragglers.cooldown_s=-1"], "stragglers.cooldown_s=-1.0 is not valid"),
     ],
 )
@@ -105,15 +149,15 @@ def _train_workers(driver_pid: int) -> list[int]:
     return pids
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to slow one")
-def test_a_worker_slowed_for_real_is_found_and_the_other_is_not(small_data, tmp_path):
+def _slowed_run(tmp_path, data, name: str, *extra: str) -> tuple[Run, int, int]:
+    """A 2-worker run with its first worker slowed for real (module docstring) from
+    its start; returns the run and the slowed and the fast worker's pids."""
     cpus = sorted(os.sched_getaffinity(0))
     fast_cpu, slow_cpu = cpus[0], cpus[1]
     overrides = [
         "+experiment=smoke",
-        f"data.path={small_data}/train",
-        f"data.val_path={small_data}/val",
+        f"data.path={data}/train",
+        f"data.val_path={data}/val",
         "model.input_dim=32",
         "model.output_dim=4",
         "data.global_batch_size=64",
@@ -126,8 +170,9 @@ def test_a_worker_slowed_for_real_is_found_and_the_other_is_not(small_data, tmp_
         "stragglers.window=3",
         "logger=none",
         FAST_POLL,
+        *extra,
     ]
-    run = Run(tmp_path, "slowed", overrides)
+    run = Run(tmp_path, name, overrides)
     busy = []
     try:
         workers = run.wait_for(
@@ -137,17 +182,32 @@ def test_a_worker_slowed_for_real_is_found_and_the_other_is_not(small_data, tmp_
         for _ in range(2):
             busy.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
             _pin(busy[-1].pid, slow_cpu)
-        _pin(fast_pid, fast_cpu)
-        _pin(slow_pid, slow_cpu)
-        time.sleep(0.5)
-        _pin(slow_pid, slow_cpu)  # threads started meanwhile by unpinned ones
-        _pin(fast_pid, fast_cpu)
+        for _ in range(2):  # again for threads started meanwhile by unpinned ones
+            _pin(fast_pid, fast_cpu)
+            _pin(slow_pid, slow_cpu)
+            time.sleep(0.5)
         assert run.finish(timeout=300) == 0, run.output()
     finally:
         for p in busy:
             p.kill()
         if run.proc.poll() is None:
             run.proc.kill()
+    return run, slow_pid, fast_pid
+
+
+def _losses(run: Run) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in run.records() if "train/loss" in r}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to slow one")
+def test_a_slowed_worker_is_found_and_rebalancing_moves_rows_off_it_not_the_losses(
+    small_data, tmp_path
+):
+    """report: the slowed rank is found, the other is not. rebalance: rows move to the
+    fast rank, and the loss of every step is the report run's (the same global batches,
+    the same gradient: only who trains which rows changes)."""
+    run, slow_pid, fast_pid = _slowed_run(tmp_path, small_data, "report")
     summary = run.summary()
     stragglers = [e for e in summary["events"] if e["event"] == "straggler"]
     assert stragglers, run.output()
@@ -170,3 +230,24 @@ def test_a_worker_slowed_for_real_is_found_and_the_other_is_not(small_data, tmp_
     slow_rank = by_pid[slow_pid]["rank"]
     assert {e["rank"] for e in rows[0]["stragglers"]} == {slow_rank}
     assert "## Workers" in report.read_text()
+
+    balanced, slow2, fast2 = _slowed_run(
+        tmp_path, small_data, "rebalance", "stragglers.policy=rebalance"
+    )
+    summary2 = balanced.summary()
+    ranks = {w["pid"]: w["rank"] for w in summary2["workers"]}
+    moves = balanced.events("rebalance")
+    assert moves, balanced.output()
+    last = moves[-1]["rows"]
+    assert sum(last) == 64 and last[ranks[fast2]] > last[ranks[slow2]], moves
+    assert "[elastic] rebalance at step" in balanced.output()
+    # the compute times came closer: lock-step waits less for the slowed rank
+    w2 = {w["pid"]: w for w in summary2["workers"]}
+    before = by_pid[slow_pid]["compute_s"] / by_pid[fast_pid]["compute_s"]
+    after = w2[slow2]["compute_s"] / w2[fast2]["compute_s"]
+    assert after < before, (before, after)
+    # the same losses, step by step: fp32 summation order is all that differs
+    a, b = _losses(run), _losses(balanced)
+    assert sorted(a) == sorted(b)
+    worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in a)
+    assert worst < 1e-4, worst

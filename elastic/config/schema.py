@@ -166,7 +166,9 @@ class StragglersConfig:
     """... for this many log intervals in a row is a straggler (an event, a console
     line, a W&B alert)."""
     policy: str = "report"
-    """report: detect and report. rebalance and evict are not built yet."""
+    """report: detect and report. rebalance: each rank's share of every step's rows
+    follows its measured speed, re-evaluated every window (the step's rows and the
+    gradient stay the same). evict: not built yet."""
     cooldown_s: float = 600.0
     """evict: how long an evicted node is not taken back."""
 

@@ -237,9 +237,10 @@ def _check_stragglers(cfg: TrainConfig) -> None:
             f"stragglers.window={st.window} is not valid: it must be >= 1 (log intervals)"
         )
     _allowed("stragglers.policy", st.policy, STRAGGLER_POLICIES)
-    if st.policy != "report":
+    if st.policy == "evict":
         raise ConfigError(
-            f"stragglers.policy={st.policy} is not built yet: use stragglers.policy=report"
+            "stragglers.policy=evict is not built yet: use stragglers.policy=rebalance "
+            "(shares of each step that follow the ranks' speeds) or report"
         )
     _positive("stragglers.cooldown_s", st.cooldown_s, allow_zero=True)
 

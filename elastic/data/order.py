@@ -15,7 +15,10 @@ independent enumeration. What it guarantees:
   function of (split, seed, epoch, step) alone.
 - At world size N, rank r trains rows ``[G*r//N, G*(r+1)//N)`` of that list (G: the
   step's rows): its slice. Any N from 1 to B takes the same global batches, and slices
-  differ by at most one row, whether or not N divides B. Since a rank's rows come from a
+  differ by at most one row, whether or not N divides B. A *split* may weight the ranks
+  instead (shares w by rank: rank r trains ``[G*W_r//W, G*W_{r+1}//W)``, W_r the shares
+  of the ranks before r, W all): the same rows form the step, only who trains which
+  changes (``stragglers.policy=rebalance``). Since a rank's rows come from a
   contiguous run of lanes (the same ones every full step), it reads a contiguous part of
   the epoch's row-group order: what it trains, plus the row groups it shares with its
   neighbours at each end, and the rest of the windows it resumes in.
@@ -37,6 +40,18 @@ import numpy as np
 
 Row = tuple[int, int, int]  # (file index, row group, row within the group)
 Group = tuple[int, int]  # (file index, row group)
+Split = int | tuple[int, ...]
+"""Who trains which part of every step: a world size N (N equal shares), or each rank's
+share (non-negative integers, by rank; their sum > 0)."""
+
+
+def shares_of(split: Split) -> tuple[int, ...]:
+    """A split as its shares, by rank."""
+    if isinstance(split, int):
+        return (1,) * split
+    if not split or min(split) < 0 or sum(split) <= 0:
+        raise ValueError(f"shares {split} must be non-negative integers with a positive sum")
+    return tuple(int(w) for w in split)
 
 
 @dataclass(frozen=True)
@@ -130,16 +145,19 @@ class EpochPlan:
     def _counts(self, step: int) -> np.ndarray:
         return np.clip(self._lane_size - step * self._quota, 0, self._quota)
 
-    def bounds(self, step: int, rank: int, world: int) -> tuple[int, int]:
+    def bounds(self, step: int, rank: int, world: Split) -> tuple[int, int]:
         """Rank ``rank``'s rows of global batch ``step``: [lo, hi) of its lane-by-lane list."""
-        if not 1 <= world <= self.global_batch:
+        shares = shares_of(world)
+        if not 1 <= len(shares) <= self.global_batch:
             raise ValueError(
-                f"world size {world} must be between 1 and the global batch ({self.global_batch})"
+                f"world size {len(shares)} must be between 1 and the global batch "
+                f"({self.global_batch})"
             )
-        rows = self.global_rows(step)
-        return rows * rank // world, rows * (rank + 1) // world
+        rows, total = self.global_rows(step), sum(shares)
+        before = sum(shares[:rank])
+        return rows * before // total, rows * (before + shares[rank]) // total
 
-    def slice_ranges(self, step: int, rank: int, world: int) -> list[tuple[int, int, int]]:
+    def slice_ranges(self, step: int, rank: int, world: Split) -> list[tuple[int, int, int]]:
         """Rank ``rank``'s slice of step ``step`` as (lane, first, last) ranges of lane rows."""
         lo, hi = self.bounds(step, rank, world)
         counts = self._counts(step)
@@ -156,12 +174,12 @@ class EpochPlan:
             c += 1
         return out
 
-    def slice_positions(self, step: int, rank: int, world: int) -> np.ndarray:
+    def slice_positions(self, step: int, rank: int, world: Split) -> np.ndarray:
         """Epoch positions of rank ``rank``'s slice of step ``step``, in training order."""
         parts = [self.positions(c, a, b) for c, a, b in self.slice_ranges(step, rank, world)]
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
-    def _spans(self, rank: int, world: int, from_step: int) -> list[tuple[int, range, int, int]]:
+    def _spans(self, rank: int, world: Split, from_step: int) -> list[tuple[int, range, int, int]]:
         """What rank ``rank`` trains from ``from_step`` to the epoch's end, as
         (lane, steps, a, b): lane rows ``s*q + [a, b)`` of every step s in ``steps``. The
         full steps take the same sub-ranges of the same lanes each step (one span a lane);
@@ -236,12 +254,12 @@ class EpochPlan:
         """Global batch ``step`` (0-based in the epoch), lane by lane."""
         return self._rows(self.slice_positions(step, 0, 1))
 
-    def slice(self, step: int, rank: int, world: int) -> list[Row]:
+    def slice(self, step: int, rank: int, world: Split) -> list[Row]:
         """Rank ``rank``'s part of global batch ``step`` at world size ``world``."""
         return self._rows(self.slice_positions(step, rank, world))
 
     # -- what to read -----------------------------------------------------------------
-    def reads(self, rank: int, world: int, from_step: int = 0) -> list[Group]:
+    def reads(self, rank: int, world: Split, from_step: int = 0) -> list[Group]:
         """The row groups (file, group) rank ``rank`` must read to train from step
         ``from_step`` to the end of the epoch, in the order it first needs them: the
         windows its slices touch from the resume step on, each window's groups once (a
@@ -263,7 +281,7 @@ class EpochPlan:
                     needed[fg] = min(needed.get(fg, when), when)
         return [fg for fg, _ in sorted(needed.items(), key=lambda kv: kv[1])]
 
-    def rows_left(self, rank: int, world: int, from_step: int = 0) -> dict[Group, int]:
+    def rows_left(self, rank: int, world: Split, from_step: int = 0) -> dict[Group, int]:
         """How many rows of each row group rank ``rank`` trains from ``from_step`` on."""
         parts = []
         for c, steps, a, b in self._spans(rank, world, from_step):
@@ -290,7 +308,7 @@ class SliceAssembler:
     (``{}`` where this rank has none at that step: the epoch's tail), and drops a group
     once this rank has trained all of its rows that it owns."""
 
-    def __init__(self, plan: EpochPlan, rank: int, world: int, from_step: int = 0) -> None:
+    def __init__(self, plan: EpochPlan, rank: int, world: Split, from_step: int = 0) -> None:
         self.plan, self.rank, self.world, self.from_step = plan, rank, world, from_step
         self._left = plan.rows_left(rank, world, from_step)
         self._groups: dict[Group, dict[str, np.ndarray]] = {}

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from elastic.config.schema import DataConfig
-from elastic.data.order import GROUP_COLUMNS, EpochPlan, Group, Layout, SliceAssembler
+from elastic.data.order import GROUP_COLUMNS, EpochPlan, Group, Layout, SliceAssembler, Split
 from elastic.data.stream import StepBatch
 from elastic.errors import DataError
 
@@ -107,23 +107,45 @@ _EPOCH_END = object()
 _DONE = object()
 
 
-def _started(items: Any, depth: int = 2) -> Iterator[Any]:
+def _started(items: Any, stop: threading.Event, depth: int = 2) -> Iterator[Any]:
     """``items`` iterated from now on by a thread of its own (Ray Data starts its
-    execution at the first ``next``), ``depth`` ahead; its failure is raised here."""
+    execution at the first ``next``), ``depth`` ahead; its failure is raised here. Once
+    ``stop`` is set both ends give up within half a second, and ``items`` is closed
+    (a Ray Data iterator then ends its execution)."""
     out: queue.Queue[Any] = queue.Queue(maxsize=depth)
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def run() -> None:
         try:
             for item in items:
-                out.put(item)
-            out.put(_DONE)
+                if not put(item):
+                    break
+            else:
+                put(_DONE)
         except BaseException as e:
-            out.put(e)
+            put(e)
+        finally:
+            if callable(close := getattr(items, "close", None)):
+                close()
 
     threading.Thread(target=run, name="elastic-ray-data", daemon=True).start()
 
     def drain() -> Iterator[Any]:
-        while (item := out.get()) is not _DONE:
+        while not stop.is_set():
+            try:
+                item = out.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if item is _DONE:
+                return
             if isinstance(item, BaseException):
                 raise item
             yield item
@@ -142,13 +164,16 @@ class PlannedReader:
         files: list[str],
         layout: Layout,
         rank: int,
-        world: int,
+        world: Split,
         first_epoch: int = 0,
         first_step: int = 0,
         epochs: int | None = None,
         cache: bool = False,
         empty: Columns | None = None,
+        cache_from: dict[Group, Columns] | None = None,
     ) -> None:
+        """``world``: the world size, or each rank's share of every step (a rebalanced
+        split); ``cache_from``: row groups another reader of this rank decoded."""
         self.cfg, self.files, self.layout = cfg, files, layout
         # a step's batch where this rank has no rows (the epoch's tail): its shapes
         self._empty = empty or {
@@ -159,12 +184,15 @@ class PlannedReader:
         self.rank, self.world = rank, world
         self._next = (first_epoch, first_step)  # what epoch() is asked for next
         self._end = None if epochs is None else first_epoch + epochs
-        self._cache: dict[Group, Columns] | None = {} if cache else None
+        self._cache: dict[Group, Columns] | None = None
+        if cache:
+            self._cache = {} if cache_from is None else cache_from
         self._queue: queue.Queue[Any] = queue.Queue()
         self._max_bytes = int(cfg.prefetch_mb * 1024 * 1024)
         self._bytes = 0
         self._cond = threading.Condition()
         self._stop = False
+        self._stopped = threading.Event()  # for the Ray Data thread
         self._consuming = first_epoch - 1  # the epoch training is in
         self.started = time.perf_counter()
         # start -> every row group of the first step read and decoded here
@@ -189,7 +217,8 @@ class PlannedReader:
                 self._queue.put(_EPOCH_END)
                 epoch, step = epoch + 1, 0
         except BaseException as e:  # surface the reader's failure in the training thread
-            self._queue.put(e)
+            if not self._stop:  # once closed, a read cut short is no failure
+                self._queue.put(e)
 
     def _read_epoch(self, reads: list[Group], first: set[Group]) -> None:
         """Read ``reads`` in order, from this worker's cache where it holds them; note
@@ -257,7 +286,7 @@ class PlannedReader:
         logging.getLogger("ray.data").setLevel(logging.WARNING)
         ds = planned_dataset(self.cfg, self.files, reads)
         batches = ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2)
-        return _started(batches)
+        return _started(batches, self._stopped)
 
     def _assemble(self, blocks: Iterator[Columns], fg: Group) -> Columns:
         """Row group ``fg`` whole, from the next block(s) (a large group may come in
@@ -320,7 +349,26 @@ class PlannedReader:
                 self._cond.notify_all()
             yield f, g, columns
 
+    def resplit(self, world: Split, epoch: int, step: int) -> PlannedReader:
+        """This reader from step ``step`` of epoch ``epoch`` on with another split of
+        every step's rows (the decoded row groups it caches are kept); it is closed."""
+        self.close()
+        return PlannedReader(
+            self.cfg,
+            self.files,
+            self.layout,
+            self.rank,
+            world,
+            first_epoch=epoch,
+            first_step=step,
+            epochs=None if self._end is None else self._end - epoch,
+            cache=self._cache is not None,
+            empty=self._empty,
+            cache_from=self._cache,
+        )
+
     def close(self) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        self._stopped.set()

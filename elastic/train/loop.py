@@ -286,6 +286,7 @@ class _Trainer:
         self._backward_clock = BackwardClock(engine)
         # every rank's figures each log interval: who is slow (stragglers.*)
         self.stragglers = StragglerWatch(cfg.stragglers, _where(world))
+        self._new_split: tuple[int, ...] | None = None  # rebalance: from the next step on
         self._step_digest = 0  # the last step's ids_digest over all ranks
         self._first_batch_s: float | None = None  # group start -> its first batch here
         self.data_ready_s: float | None = None  # group start -> its first batch read
@@ -321,15 +322,16 @@ class _Trainer:
         self.engine.train()
         self.times.session_start = self.train_start = time.perf_counter()
         while not self._done():
-            if self._train_epoch(reader, val_files):
+            if self._train_epoch(self.reader, val_files):
                 self._close_epoch()
         self._stop_if_diverged()  # before the final validation and checkpoint
-        reader.close()
+        self.reader.close()
         self.train_end = time.perf_counter()
         self.times.fold_into(self.state)
 
     def _train_epoch(self, reader: PlannedReader, val_files: list[str]) -> bool:
-        """One epoch, or what is left of it; False when a stopping rule ends it early."""
+        """One epoch, or what is left of it; False when a stopping rule ends it early or
+        the split of its steps changes (then the epoch goes on with a new reader)."""
         # the epoch's plan fixes every step's rows: resume at its step, at any world size
         s = self.state
         batches = reader.epoch(s.epoch, s.step - s.epoch_start_step)
@@ -341,7 +343,7 @@ class _Trainer:
             self._after_step_signals()  # preemption, node drain
             self._maybe_validate(val_files)
             self._count_throughput(batch)
-            if self._done():
+            if self._done() or self._resplit():
                 return False
         return True
 
@@ -525,18 +527,48 @@ class _Trainer:
         )
         for event in stragglers:
             self.tracker.event(s.step, "straggler", world_size=self.world, **event)
+        if self.cfg.stragglers.policy == "rebalance":  # the same table on every rank
+            self._new_split = self.stragglers.rebalance(
+                self.cfg.data.global_batch_size, self._max_slice_rows()
+            )
         if self._progress is not None:  # the driver's progress display; never waited on
             self._progress.progress.remote(s.step, s.epoch, loss, self.world, samples_per_s)
         self._interval.zero_()
         self._interval_start = now
 
+    def _max_slice_rows(self) -> int | None:
+        """The largest slice a rank may train: data.micro_batch_size per forward pass."""
+        micro = self.cfg.data.micro_batch_size
+        return None if micro is None else micro * self.plan.grad_accum_steps
+
+    def _resplit(self) -> bool:
+        """A new split of every step's rows (rebalance) takes effect at the next step:
+        the reader goes on from there with it."""
+        split, self._new_split = self._new_split, None
+        if split is None or self.reader is None:
+            return False
+        s = self.state
+        self.reader = self.reader.resplit(split, s.epoch, s.step - s.epoch_start_step)
+        plan = epoch_plan(self.cfg.data, self.reader.layout, s.epoch)
+        rows = [plan.bounds(0, r, split) for r in range(self.world)]
+        self.tracker.event(
+            s.step,
+            "rebalance",
+            world_size=self.world,
+            shares=list(split),
+            rows=[hi - lo for lo, hi in rows],  # of a full step, by rank
+        )
+        return True
+
     def _gather_interval(self, seconds: dict[str, float]) -> np.ndarray:
         """Every rank's log interval, a row per rank: its loss sum, then the straggler
-        figures (compute, data wait and collective seconds, rows, steps)."""
+        figures (compute, data wait and collective seconds, rows, steps, optimizer
+        seconds)."""
         loss_sum, rows, steps = self._interval.tolist()
         compute = sum(seconds[p] for p in COMPUTE)
         mine = torch.tensor(
-            [loss_sum, compute, seconds["data_wait"], seconds["comm"], rows, steps],
+            [loss_sum, compute, seconds["data_wait"], seconds["comm"], rows, steps]
+            + [seconds["optimizer"]],
             dtype=torch.float64,
             device=self._collective_device,
         )

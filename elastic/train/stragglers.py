@@ -8,6 +8,13 @@ the collectives; its rows) are gathered on every rank; a rank whose compute time
 ``stragglers.threshold`` x the median of the *other* ranks' for ``stragglers.window``
 intervals in a row is a straggler. (Against the others' median, not all ranks': with 2
 workers the median of both is their mean, and a rank 2x slower would read 1.33x.)
+
+``stragglers.policy=rebalance``: every ``window`` intervals each rank's share of every
+step's rows is set so that the ranks' compute times come out equal, from what those
+intervals measured: rank r's time per step is taken as ``a_r + b_r * rows_r``, with
+``a_r`` its optimizer time (the same whatever its rows) and ``b_r`` its forward and
+backward time per row. The step's rows and the gradient (the mean over all of them)
+stay the same; only who trains which rows changes.
 """
 
 from __future__ import annotations
@@ -18,8 +25,11 @@ import numpy as np
 
 from elastic.config.schema import StragglersConfig
 
-FIGURES = ("compute_s", "data_wait_s", "comm_s", "rows", "steps")
+FIGURES = ("compute_s", "data_wait_s", "comm_s", "rows", "steps", "optimizer_s")
 """What each rank sends each log interval (sums over the interval)."""
+
+SHARE_SCALE = 10_000  # a rebalanced split's shares sum to this
+MIN_MOVE = 0.02  # a new split must move this share of the global batch (else noise)
 
 
 class StragglerWatch:
@@ -32,12 +42,17 @@ class StragglerWatch:
         self._streak = np.zeros(world, dtype=np.int64)  # intervals in a row over threshold
         self._flagged: set[int] = set()  # reported, and not fast again since
         self._sums = np.zeros((world, len(FIGURES)))
+        self._since_split = np.zeros((world, len(FIGURES)))  # since the last rebalance()
+        self._intervals_since_split = 0
+        self.shares: tuple[int, ...] | None = None  # None: equal shares
 
     def observe(self, table: np.ndarray) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """One interval's sums, a row per rank (columns :data:`FIGURES`): the figures to
         log (per rank, per step) and the straggler events this interval starts."""
         table = np.asarray(table, dtype=np.float64)
         self._sums += table
+        self._since_split += table
+        self._intervals_since_split += 1
         steps = np.maximum(table[:, FIGURES.index("steps")], 1)
         compute = table[:, 0] / steps
         rows = table[:, FIGURES.index("rows")]
@@ -73,6 +88,46 @@ class StragglerWatch:
                     })  # fmt: skip
         return figures, events
 
+    def rebalance(self, global_batch: int, max_rows: int | None = None) -> tuple[int, ...] | None:
+        """Every ``window`` intervals: a new split of every step's rows in proportion to
+        the ranks' speeds since the split last changed, when it moves at least
+        :data:`MIN_MOVE` of the global batch (else None). ``max_rows``: no rank's slice
+        larger (``data.micro_batch_size`` x accumulation steps, when set)."""
+        world = len(self.where)
+        if world < 2 or self._intervals_since_split < self.cfg.window:
+            return None
+        sums = self._since_split
+        steps = np.maximum(sums[:, FIGURES.index("steps")], 1)
+        rows = sums[:, FIGURES.index("rows")] / steps
+        fixed = sums[:, FIGURES.index("optimizer_s")] / steps
+        per_row = (sums[:, 0] / steps - fixed) / np.maximum(rows, 1e-9)
+        if (rows <= 0).any() or (per_row <= 0).any():
+            return None
+        n = _even_times(fixed, per_row, global_batch)
+        floor = -(-SHARE_SCALE // global_batch)  # at least a row a step each
+        shares = np.maximum(np.round(SHARE_SCALE * n / n.sum()), floor)
+        if max_rows is not None:  # no slice over the memory bound: the rest to the others
+            cap = max(floor, SHARE_SCALE * max_rows // global_batch)
+            for _ in range(world):
+                over = shares > cap
+                spare = float((shares[over] - cap).sum())
+                if not spare:
+                    break
+                shares[over] = cap
+                shares[~over] += spare * shares[~over] / shares[~over].sum()
+        new = tuple(int(w) for w in shares)
+        old = self.shares or (1,) * world
+        self._since_split[:] = 0
+        self._intervals_since_split = 0
+        moved = max(
+            abs(a - b)
+            for a, b in zip(_rows(new, global_batch), _rows(old, global_batch), strict=True)
+        )
+        if moved < max(1, MIN_MOVE * global_batch):
+            return None
+        self.shares = new
+        return new
+
     def summary(self) -> tuple[list[dict[str, Any]], float | None]:
         """Per rank, its means per step over the group's intervals so far; the slowest
         rank's mean compute time over the ranks' median (None: nothing measured)."""
@@ -95,6 +150,28 @@ class StragglerWatch:
         if not compute.any() or median <= 0:
             return workers, None
         return workers, float(per_step.max() / median)
+
+
+def _even_times(fixed: np.ndarray, per_row: np.ndarray, total: int) -> np.ndarray:
+    """Rows per rank, summing to ``total``, that make ``fixed + per_row * rows`` the same
+    for every rank (a rank too slow for any row gets one)."""
+    take = np.ones(len(fixed), dtype=bool)
+    rows = np.ones(len(fixed))
+    for _ in range(len(fixed)):
+        left = total - (~take).sum()
+        t = (left + (fixed[take] / per_row[take]).sum()) / (1 / per_row[take]).sum()
+        rows = np.where(take, (t - fixed) / per_row, 1.0)
+        if (rows[take] >= 1).all():
+            break
+        take &= rows >= 1
+    return np.maximum(rows, 1.0)
+
+
+def _rows(shares: tuple[int, ...], global_batch: int) -> list[int]:
+    """Rows of a full step each rank trains under ``shares`` (as EpochPlan.bounds)."""
+    cum = np.cumsum((0, *shares))
+    edges = global_batch * cum // cum[-1]
+    return list(np.diff(edges))
 
 
 def _ratio_to_others(compute: np.ndarray, r: int) -> float:
