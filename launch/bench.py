@@ -5,13 +5,14 @@
     python launch/bench.py chaos [--seed 0] [--epochs 20]
     python launch/bench.py ingest [--rounds 2] [--epochs 3]
     python launch/bench.py memory [--stages 0 1 2 3] [--worlds 1 2 3]
+    python launch/bench.py hetero [--steps 200]
     python launch/bench.py gpu [--steps 300] [--cpu-check]
     python launch/bench.py startup [--rounds 2] [--steps 20]
     python launch/bench.py all [--quick] [--skip NAME ...]
 
 Each benchmark, what it measures and its targets: its module in elastic/bench/ (the
 method and results: docs/performance.md). Each writes bench-NAME.json; ``all`` runs
-overhead, ingest, recovery, chaos and memory and writes the table to bench-all.md and
+overhead, ingest, recovery, chaos, hetero and memory and writes the table to bench-all.md and
 bench-all.json (--quick: fewer rounds and steps).
 """
 

@@ -197,6 +197,17 @@ def test_a_weighted_split_trains_the_same_rows_in_proportion_to_the_shares(share
         assert asm.held_groups == 0
 
 
+@pytest.mark.parametrize(
+    "world,from_step,block", [(1, 0, 1024), (3, 5, 4), (8, 2, 3), ((1, 3), 4, 2), (2, 14, 1)]
+)
+def test_slices_computed_a_block_of_steps_at_a_time_are_each_steps_slice(world, from_step, block):
+    p = plan(lanes=8, window=40)
+    for rank in range(world if isinstance(world, int) else len(world)):
+        got = [(s, pos.tolist()) for s, pos in p.slices(rank, world, from_step, block)]
+        want = [(s, p.slice_positions(s, rank, world).tolist()) for s in range(from_step, p.steps)]
+        assert got == want, (rank, world)
+
+
 def test_blocks_that_do_not_match_the_plan_are_refused():
     from elastic.data.order import SliceAssembler
 

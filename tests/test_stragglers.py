@@ -1,25 +1,20 @@
 """Stragglers: every rank's own compute time per step, and the slow one found.
 
-The end-to-end test slows one Ray Train worker for real (no injected sleep): its process
-and every thread of it is pinned to one core (``sched_setaffinity``) beside two
-busy-looping processes pinned to the same core, so it gets about a third of that core;
-the other worker has the other core to itself."""
+The end-to-end test slows one Ray Train worker for real (no injected sleep,
+``localcluster.Slowdown``): its process and every thread of it is pinned to one core
+(``sched_setaffinity``) beside two busy-looping processes pinned to the same core, so it
+gets about a third of that core; the other worker has the other core to itself."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import subprocess
-import sys
-import time
 
 import numpy as np
-import psutil
 import pytest
 from conftest import FAST_POLL
 
-from elastic.cluster.localcluster import Run
+from elastic.cluster.localcluster import Run, Slowdown, train_workers_under
 from elastic.config.compose import preflight
 from elastic.config.schema import StragglersConfig
 from elastic.observe.report import write_report
@@ -131,29 +126,9 @@ def test_bad_straggler_settings_fail_with_one_line(extra, needle, tmp_path, caps
     assert err.count("\n") == 0 and needle in err, err
 
 
-def _pin(pid: int, cpu: int) -> None:
-    """Every thread of ``pid`` onto ``cpu`` (threads it starts later inherit it)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):  # a thread that just ended
-            os.sched_setaffinity(int(tid), {cpu})
-
-
-def _train_workers(driver_pid: int) -> list[int]:
-    pids = []
-    for p in psutil.Process(driver_pid).children(recursive=True):
-        try:
-            if "RayTrainWorker" in " ".join(p.cmdline()):
-                pids.append(p.pid)
-        except psutil.Error:
-            continue
-    return pids
-
-
 def _slowed_run(tmp_path, data, name: str, *extra: str) -> tuple[Run, int, int]:
     """A 2-worker run with its first worker slowed for real (module docstring) from
     its start; returns the run and the slowed and the fast worker's pids."""
-    cpus = sorted(os.sched_getaffinity(0))
-    fast_cpu, slow_cpu = cpus[0], cpus[1]
     overrides = [
         "+experiment=smoke",
         f"data.path={data}/train",
@@ -173,23 +148,16 @@ def _slowed_run(tmp_path, data, name: str, *extra: str) -> tuple[Run, int, int]:
         *extra,
     ]
     run = Run(tmp_path, name, overrides)
-    busy = []
+    slowdown = Slowdown(busy=2)
     try:
         workers = run.wait_for(
-            "2 training workers", lambda: len(w := _train_workers(run.proc.pid)) == 2 and w
+            "2 training workers", lambda: len(w := train_workers_under(run.proc.pid)) == 2 and w
         )
         slow_pid, fast_pid = workers
-        for _ in range(2):
-            busy.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
-            _pin(busy[-1].pid, slow_cpu)
-        for _ in range(2):  # again for threads started meanwhile by unpinned ones
-            _pin(fast_pid, fast_cpu)
-            _pin(slow_pid, slow_cpu)
-            time.sleep(0.5)
+        slowdown.apply([slow_pid], [fast_pid])
         assert run.finish(timeout=300) == 0, run.output()
     finally:
-        for p in busy:
-            p.kill()
+        slowdown.stop()
         if run.proc.poll() is None:
             run.proc.kill()
     return run, slow_pid, fast_pid

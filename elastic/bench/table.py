@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from elastic.bench import chaos, gpu, ingest, memory, overhead, recovery, startup
+from elastic.bench import chaos, gpu, hetero, ingest, memory, overhead, recovery, startup
 
 # each benchmark's module: HELP, add_arguments(parser), measure(args) -> its report;
 # in the order the CLI lists them
@@ -21,16 +21,18 @@ BENCHES: dict[str, ModuleType] = {
     "chaos": chaos,
     "ingest": ingest,
     "memory": memory,
+    "hetero": hetero,
     "gpu": gpu,
     "startup": startup,
 }
-ALL_ORDER = ("overhead", "ingest", "recovery", "chaos", "memory")
+ALL_ORDER = ("overhead", "ingest", "recovery", "chaos", "hetero", "memory")
 QUICK = {  # --quick: fewer rounds and steps, same figures (noisier)
     "overhead": ["--rounds", "1", "--steps", "400"],
     "ingest": ["--rounds", "1", "--wait-steps", "60"],
     "recovery": ["--rounds", "1"],
     "chaos": ["--epochs", "10"],
     "memory": ["--precision", "bf16"],
+    "hetero": ["--steps", "120"],
 }
 
 
@@ -121,6 +123,22 @@ def _table_rows(results: dict) -> list[tuple[str, str, str, str, str, str]]:
             "worker group start -> its first batch read (median of the chaos run's starts; max)",
             f"{fb['median']:.2f} s; {fb['max']:.2f} s", "", "", f"<= {t['data_ready_s']:.0f} s",
             _verdict(fb["max"] <= t["data_ready_s"]),
+        ))  # fmt: skip
+    if h := results.get("hetero"):
+        t = h["targets"]
+        rows.append((
+            "samples/s, 2 workers, one slowed ~2x: rebalance vs lock-step",
+            f"{h['rebalance_samples_per_s']:,.0f}",
+            f"{h['lockstep_samples_per_s']:,.0f} (lock-step, stragglers.policy=report)",
+            f"{h['rebalance_vs_lockstep']:.2f}", f">= {t['rebalance_vs_lockstep']}",
+            _verdict(h["rebalance_vs_lockstep"] >= t["rebalance_vs_lockstep"]),
+        ))  # fmt: skip
+        rows.append((
+            "samples/s, the same: rebalance vs the ideal",
+            f"{h['rebalance_samples_per_s']:,.0f}",
+            f"{h['ideal_samples_per_s']:,.0f} (each worker's samples/s alone, summed)",
+            f"{h['rebalance_vs_ideal']:.2f}", f">= {t['rebalance_vs_ideal']}",
+            _verdict(h["rebalance_vs_ideal"] >= t["rebalance_vs_ideal"]),
         ))  # fmt: skip
     if m := results.get("memory"):
         by: dict[tuple[str, int], list[dict]] = {}

@@ -271,3 +271,61 @@ def saving_pids(run_dir: Path) -> dict[int, str]:
         pid = int(os.path.basename(path).split("-p", 1)[1].split("-", 1)[0])
         out[pid] = path
     return out
+
+
+# -- real slowness, for the straggler test and bench (no injected sleeps) ---------------
+
+
+def train_workers_under(pid: int) -> list[int]:
+    """PIDs of the Ray Train worker processes below process ``pid`` (a run's driver
+    with its embedded cluster)."""
+    pids = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "RayTrainWorker" in " ".join(p.cmdline()):
+                pids.append(p.pid)
+        except psutil.Error:
+            continue
+    return pids
+
+
+def pin(pid: int, cpu: int) -> None:
+    """Every thread of process ``pid`` onto CPU ``cpu`` (threads it starts later
+    inherit it from the thread that starts them)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), {cpu})
+        except OSError:  # a thread that just ended
+            continue
+
+
+class Slowdown:
+    """Makes processes really slower: pins them to one CPU beside ``busy`` processes
+    that spin on it (each then gets 1 / (busy + 1) of the CPU), and pins ``fast`` ones
+    to another CPU alone. :meth:`stop` ends the spinning."""
+
+    def __init__(self, busy: int = 1) -> None:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise RuntimeError("slowing one worker down needs 2 CPUs")
+        self.fast_cpu, self.slow_cpu = cpus[0], cpus[1]
+        self.busy = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)
+        ]
+        for p in self.busy:
+            pin(p.pid, self.slow_cpu)
+
+    def apply(self, slow: list[int], fast: list[int] | None = None) -> None:
+        """Pin ``slow`` to the busy CPU and ``fast`` to the other, twice half a second
+        apart (threads started meanwhile by threads not yet pinned)."""
+        for _ in range(2):
+            for pid in slow:
+                pin(pid, self.slow_cpu)
+            for pid in fast or []:
+                pin(pid, self.fast_cpu)
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        for p in self.busy:
+            p.kill()
+            p.wait()

@@ -179,6 +179,27 @@ class EpochPlan:
         parts = [self.positions(c, a, b) for c, a, b in self.slice_ranges(step, rank, world)]
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
+    def slices(
+        self, rank: int, world: Split, from_step: int = 0, block: int = 1024
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """``(step, slice_positions(step, rank, world))`` for every step from
+        ``from_step`` to the epoch's end, the full steps computed ``block`` at a time
+        (their slices take the same lane sub-ranges every step)."""
+        full = self.full_steps
+        for lo in range(from_step, full, block):
+            hi = min(full, lo + block)
+            at = np.arange(lo, hi, dtype=np.int64)[:, None]
+            cols = []
+            for c, first, last in self.slice_ranges(lo, rank, world):
+                q = self.quota(c)
+                rows = at * q + np.arange(first - lo * q, last - lo * q, dtype=np.int64)
+                cols.append(self.positions_of(c, rows.reshape(-1)).reshape(len(at), -1))
+            table = np.concatenate(cols, axis=1) if cols else np.zeros((len(at), 0), np.int64)
+            for i, step in enumerate(range(lo, hi)):
+                yield step, table[i]
+        for step in range(max(from_step, full), self.steps):
+            yield step, self.slice_positions(step, rank, world)
+
     def _spans(self, rank: int, world: Split, from_step: int) -> list[tuple[int, range, int, int]]:
         """What rank ``rank`` trains from ``from_step`` to the epoch's end, as
         (lane, steps, a, b): lane rows ``s*q + [a, b)`` of every step s in ``steps``. The
@@ -324,8 +345,8 @@ class SliceAssembler:
     ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
         source = iter(groups)
         plan = self.plan
-        for step in range(self.from_step, plan.steps):
-            k, r = plan.locate(plan.slice_positions(step, self.rank, self.world))
+        for step, positions in plan.slices(self.rank, self.world, self.from_step):
+            k, r = plan.locate(positions)
             distinct, inverse, counts = np.unique(k, return_inverse=True, return_counts=True)
             wanted = [plan.group(int(i)) for i in distinct]
             for fg in wanted:

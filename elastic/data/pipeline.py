@@ -4,7 +4,9 @@ format's decoder from :mod:`elastic.data.formats`), and the cache decision."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from typing import Any
 
 import pyarrow as pa
@@ -54,10 +56,13 @@ def planned_dataset(cfg: DataConfig, files: list[str], reads: list[tuple[int, in
     """A rank's read of the row groups ``reads`` ((file index, group) into ``files``, in
     that order: :meth:`elastic.data.order.EpochPlan.reads`), decoded by the format's
     decoder in Ray Data, each block tagged with the group it holds
-    (:data:`elastic.data.order.GROUP_COLUMNS`). One read task a row group; the blocks come
-    out in the plan's order. The tasks go where Ray's default puts them: the submitting
-    worker's node while it has a free CPU, else another (pinning them to the worker's
-    node, even softly, queues them behind the training worker that holds its CPUs)."""
+    (:data:`elastic.data.order.GROUP_COLUMNS`). A read task reads consecutive row groups
+    of the list, about :data:`TASK_BYTES` of them (each task and block costs the
+    streaming executor's scheduling, on the training worker's cores); the blocks come
+    out in the plan's order, a group possibly split between blocks. The tasks go where
+    Ray's default puts them: the submitting worker's node while it has a free CPU, else
+    another (pinning them to the worker's node, even softly, queues them behind the
+    training worker that holds its CPUs)."""
     import ray.data
     from ray.data import ExecutionOptions
 
@@ -65,7 +70,7 @@ def planned_dataset(cfg: DataConfig, files: list[str], reads: list[tuple[int, in
 
     columns = read_columns(cfg, pq.read_schema(files[0]))
     source = _row_group_source(files, reads, columns)
-    ds = ray.data.read_datasource(source, override_num_blocks=max(1, len(reads)))
+    ds = ray.data.read_datasource(source, override_num_blocks=max(1, source.tasks))
     ds.context.execution_options = ExecutionOptions(preserve_order=True)
     decode, kwargs = decoder(cfg, files[0])
 
@@ -78,41 +83,81 @@ def planned_dataset(cfg: DataConfig, files: list[str], reads: list[tuple[int, in
     return ds.map_batches(tagged, batch_format="pyarrow", zero_copy_batch=True, fn_kwargs=kwargs)
 
 
+TASK_BYTES = 8 * 2**20
+"""A read task's row groups: consecutive ones of a rank's list, up to this many bytes
+(uncompressed, from the footers; at least one group)."""
+
+
 def _row_group_source(files: list[str], reads: list[tuple[int, int]], columns: list[str]) -> Any:
-    """A Ray Data datasource of the row groups ``reads``, one read task each, in order."""
+    """A Ray Data datasource of the row groups ``reads``, in order, a read task each run
+    of about :data:`TASK_BYTES`; a task's groups come as one block."""
     from ray.data.block import BlockMetadata
     from ray.data.datasource import Datasource, ReadTask
 
     from elastic.data.order import GROUP_COLUMNS
 
-    def read(path: str, f: int, g: int) -> list[pa.Table]:
-        table = pq.ParquetFile(path).read_row_group(g, columns=columns)
-        n = table.num_rows
-        table = table.append_column(GROUP_COLUMNS[0], pa.array([f] * n, pa.int32()))
-        return [table.append_column(GROUP_COLUMNS[1], pa.array([g] * n, pa.int32()))]
+    footers = {f: pq.read_metadata(files[f]) for f in {f for f, _ in reads}}
+    runs: list[list[tuple[int, int]]] = []
+    size = 0
+    for f, g in reads:
+        nbytes = footers[f].row_group(g).total_byte_size
+        if not runs or size + nbytes > TASK_BYTES:
+            runs.append([])
+            size = 0
+        runs[-1].append((f, g))
+        size += nbytes
+
+    def read(run: list[tuple[int, int]]) -> list[pa.Table]:
+        tables: list[pa.Table] = []
+        shards: dict[int, pq.ParquetFile] = {}
+        for f, g in run:
+            shard = shards.get(f) or shards.setdefault(f, pq.ParquetFile(files[f]))
+            table = shard.read_row_group(g, columns=columns)
+            n = table.num_rows
+            table = table.append_column(GROUP_COLUMNS[0], pa.array([f] * n, pa.int32()))
+            tables.append(table.append_column(GROUP_COLUMNS[1], pa.array([g] * n, pa.int32())))
+        return [pa.concat_tables(tables)]
 
     class RowGroups(Datasource):
+        tasks = len(runs)
+
         def estimate_inmemory_data_size(self) -> int | None:
             return None
 
         def get_read_tasks(
             self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None
         ) -> list[ReadTask]:
-            tasks = []
-            footers = {f: pq.read_metadata(files[f]) for f in {f for f, _ in reads}}
-            for f, g in reads:
-                meta = footers[f].row_group(g)
-                tasks.append(
+            out = []
+            for run in runs:
+                metas = [footers[f].row_group(g) for f, g in run]
+                out.append(
                     ReadTask(
-                        functools.partial(read, files[f], f, g),
+                        functools.partial(read, run),
                         BlockMetadata(
-                            num_rows=meta.num_rows,
-                            size_bytes=meta.total_byte_size,
-                            input_files=(files[f],),
+                            num_rows=sum(m.num_rows for m in metas),
+                            size_bytes=sum(m.total_byte_size for m in metas),
+                            input_files=tuple(sorted({files[f] for f, _ in run})),
                             exec_stats=None,
                         ),
                     )
                 )
-            return tasks
+            return out
 
     return RowGroups()
+
+
+def warm_up(cfg: DataConfig, files: list[str], group: tuple[int, int]) -> threading.Thread:
+    """Starts, in a thread of the driver, one small Ray Data read of row group ``group``
+    (file index, group) through the workers' own path (read task, decoder): a fresh cluster's
+    first Ray Data execution starts its task processes and imports the decoder, ~3 s
+    here, which the workers' first epoch would otherwise wait for. It runs while Ray
+    Train starts the worker group; a failure here is left to the workers' real read to
+    report."""
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            planned_dataset(cfg, files, [group]).take_batch(1)
+
+    thread = threading.Thread(target=run, name="elastic-data-warm-up", daemon=True)
+    thread.start()
+    return thread

@@ -107,50 +107,60 @@ _EPOCH_END = object()
 _DONE = object()
 
 
-def _started(items: Any, stop: threading.Event, depth: int = 2) -> Iterator[Any]:
-    """``items`` iterated from now on by a thread of its own (Ray Data starts its
-    execution at the first ``next``), ``depth`` ahead; its failure is raised here. Once
-    ``stop`` is set both ends give up within half a second, and ``items`` is closed
-    (a Ray Data iterator then ends its execution)."""
-    out: queue.Queue[Any] = queue.Queue(maxsize=depth)
+class _RayStream:
+    """A Ray Data iterator of decoded blocks, iterated by a thread of its own from now on
+    (Ray Data starts its execution at the first ``next``), ``depth`` blocks ahead; its
+    failure is raised to the reader. :meth:`pieces` cuts the blocks into their row
+    groups' runs (by the GROUP_COLUMNS tags), in order. Once closed, both ends give up
+    within half a second and the iterator is closed (Ray Data then ends its
+    execution)."""
 
-    def put(item: Any) -> bool:
-        while not stop.is_set():
+    def __init__(self, items: Any, depth: int = 2) -> None:
+        self._items, self._stop = items, threading.Event()
+        self._out: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        threading.Thread(target=self._run, name="elastic-ray-data", daemon=True).start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
             try:
-                out.put(item, timeout=0.5)
+                self._out.put(item, timeout=0.5)
                 return True
             except queue.Full:
                 continue
         return False
 
-    def run() -> None:
+    def _run(self) -> None:
+        items = self._items
         try:
             for item in items:
-                if not put(item):
+                if not self._put(item):
                     break
             else:
-                put(_DONE)
+                self._put(_DONE)
         except BaseException as e:
-            put(e)
+            self._put(e)
         finally:
             if callable(close := getattr(items, "close", None)):
                 close()
 
-    threading.Thread(target=run, name="elastic-ray-data", daemon=True).start()
+    def close(self) -> None:
+        self._stop.set()
 
-    def drain() -> Iterator[Any]:
-        while not stop.is_set():
+    def pieces(self) -> Iterator[tuple[Group, Columns]]:
+        while not self._stop.is_set():
             try:
-                item = out.get(timeout=0.5)
+                block = self._out.get(timeout=0.5)
             except queue.Empty:
                 continue
-            if item is _DONE:
+            if block is _DONE:
                 return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    return drain()
+            if isinstance(block, BaseException):
+                raise block
+            f, g = block[GROUP_COLUMNS[0]], block[GROUP_COLUMNS[1]]
+            cuts = np.flatnonzero((f[1:] != f[:-1]) | (g[1:] != g[:-1])) + 1
+            for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(f)], strict=True):
+                columns = {k: v[a:b] for k, v in block.items() if k not in GROUP_COLUMNS}
+                yield (int(f[a]), int(g[a])), columns
 
 
 class PlannedReader:
@@ -192,7 +202,7 @@ class PlannedReader:
         self._bytes = 0
         self._cond = threading.Condition()
         self._stop = False
-        self._stopped = threading.Event()  # for the Ray Data thread
+        self._streams: list[_RayStream] = []  # to close with the reader
         self._consuming = first_epoch - 1  # the epoch training is in
         self.started = time.perf_counter()
         # start -> every row group of the first step read and decoded here
@@ -227,17 +237,30 @@ class PlannedReader:
         Those few are read here, with pyarrow and the same decoder, while Ray Data's
         execution for the rest starts: a worker group's first Ray Data execution starts
         its task processes, ~5 s here on a fresh cluster and ~1 s on a warm one (the
-        training loop would wait that long at every restart)."""
+        training loop would wait that long at every restart). (Reading more here until
+        Ray Data's first block came was tried: Ray Data then read those groups as well,
+        and on 2 cores the later epochs took 2-6x as long.)"""
         cache = self._cache
         fresh = [fg for fg in reads if cache is None or fg not in cache]
         local = {fg for fg in fresh if fg in first}
-        blocks = self._blocks([fg for fg in fresh if fg not in local])
+        stream = self._stream([fg for fg in fresh if fg not in local])
+        try:
+            self._read_groups(reads, first, local, stream)
+        finally:  # its execution ends with the epoch's reads (or the reader)
+            if stream is not None:
+                stream.close()
+
+    def _read_groups(
+        self, reads: list[Group], first: set[Group], local: set[Group], stream: _RayStream | None
+    ) -> None:
+        cache = self._cache
+        pieces = stream.pieces() if stream is not None else iter(())
         for fg in reads:
             first.discard(fg)
             if cache is not None and fg in cache:
                 self._put(fg, cache[fg], 0)
                 continue
-            columns = self._read_here(fg) if fg in local else self._assemble(blocks, fg)
+            columns = self._read_here(fg) if fg in local else self._assemble(pieces, fg)
             if not first and self.first_batch_ready_s is None:
                 self.first_batch_ready_s = time.perf_counter() - self.started
             if cache is not None:
@@ -271,9 +294,9 @@ class PlannedReader:
             self._bytes += size
         self._queue.put((fg, columns, size))
 
-    def _blocks(self, reads: list[Group]) -> Iterator[Columns]:
+    def _stream(self, reads: list[Group]) -> _RayStream | None:
         if not reads:
-            return iter(())
+            return None
         import logging
 
         import ray.data
@@ -286,24 +309,26 @@ class PlannedReader:
         logging.getLogger("ray.data").setLevel(logging.WARNING)
         ds = planned_dataset(self.cfg, self.files, reads)
         batches = ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2)
-        return _started(batches, self._stopped)
+        self._streams.append(stream := _RayStream(batches))
+        return stream
 
-    def _assemble(self, blocks: Iterator[Columns], fg: Group) -> Columns:
-        """Row group ``fg`` whole, from the next block(s) (a large group may come in
-        several), as a private copy: holding Ray's views would pin object-store memory."""
+    def _assemble(self, pieces: Iterator[tuple[Group, Columns]], fg: Group) -> Columns:
+        """Row group ``fg`` whole, from the next piece(s) of the blocks (a large group
+        may come in several), as a private copy: holding Ray's views would pin
+        object-store memory."""
         f, g = fg
         expected = self.layout.rows[f][g]
         parts: list[Columns] = []
         have = 0
         while have < expected:
-            block = next(blocks, None)
-            if block is None:
+            piece = next(pieces, None)
+            if piece is None:
                 raise self._changed(f, g, have, expected)
-            tag = (int(block[GROUP_COLUMNS[0]][0]), int(block[GROUP_COLUMNS[1]][0]))
+            tag, columns = piece
             if tag != fg:
                 raise RuntimeError(f"row group {tag} came where {fg} was planned: reads disagree")
-            parts.append({k: v for k, v in block.items() if k not in GROUP_COLUMNS})
-            have += len(block[GROUP_COLUMNS[0]])
+            parts.append(columns)
+            have += len(next(iter(columns.values())))
         if have != expected:
             raise self._changed(f, g, have, expected)
         if len(parts) == 1:
@@ -371,4 +396,5 @@ class PlannedReader:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._stopped.set()
+        for stream in self._streams:
+            stream.close()

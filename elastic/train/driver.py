@@ -15,7 +15,7 @@ from typing import Any
 
 from elastic.config.schema import TrainConfig
 from elastic.data.order import Layout
-from elastic.data.pipeline import fits_cache
+from elastic.data.pipeline import fits_cache, warm_up
 from elastic.data.reader import data_changes, data_record, setting_changes
 from elastic.data.shards import Split, check_dataset
 from elastic.errors import CheckpointError, ConfigError, RunError
@@ -150,6 +150,9 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
             t.progress,
             t.progress_every_s,
         )
+        if layout.groups():  # Ray Data's first execution starts while Ray Train does
+            f, g, _ = layout.groups()[0]
+            warm_up(cfg.data, train_split.files, (f, g))
         try:
             with _run_control(control, trainer, display):
                 result = trainer.fit()

@@ -1,0 +1,130 @@
+"""hetero: 2 workers, one slowed about 2x for real (``localcluster.Slowdown``: pinned to a
+core beside a busy-looping process), in lock-step (``stragglers.policy=report``) and
+with ``rebalance``; the ideal is the sum of each worker's samples/s measured alone (a
+1-worker run on the fast core, one on the slowed core, each with half the global
+batch). Writes bench-hetero.json."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+
+from elastic.bench.common import elastic_data
+from elastic.cluster.localcluster import Run, Slowdown, train_workers_under
+
+HELP = "one worker slowed 2x: lock-step vs rebalance vs the ideal"
+REBALANCE_VS_LOCKSTEP_TARGET = 1.3  # rebalance's samples/s over lock-step's, at least
+REBALANCE_VS_IDEAL_TARGET = 0.9  # rebalance's samples/s over the ideal, at least
+BATCH = 256
+MODEL = [
+    "+experiment=smoke",
+    "model.input_dim=64",
+    "model.output_dim=4",
+    "model.hidden_dims=[1024,1024]",
+    "checkpoint.every_steps=0",
+    "logger=none",
+    "trainer.progress=off",
+    "cluster.num_cpus=4",  # logical: the workers and Ray Data's read tasks
+    "stragglers.window=3",
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--log-every", type=int, default=5)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    workdir = tempfile.mkdtemp(prefix="elastic-bench-")
+    try:
+        data = elastic_data(workdir)
+        base = [*MODEL, *data, f"trainer.max_steps={args.steps}"]
+        base.append(f"trainer.log_every_steps={args.log_every}")
+        two = [*base, "scaling.workers=2", f"data.global_batch_size={BATCH}"]
+        one = [*base, "scaling.workers=1", f"data.global_batch_size={BATCH // 2}"]
+        runs = {
+            "lockstep": _run(workdir, "lockstep", [*two, "stragglers.policy=report"], True),
+            "rebalance": _run(workdir, "rebalance", [*two, "stragglers.policy=rebalance"], True),
+            "alone_fast": _run(workdir, "alone-fast", one, False),
+            "alone_slow": _run(workdir, "alone-slow", one, True),
+        }
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    moves = runs["rebalance"]["rebalances"]
+    # both 2-worker runs over the same steps: after the rebalance run's first move (the
+    # window it takes to measure), so that the lock-step run is not judged on its start
+    after = moves[0]["step"] if moves else 0
+    rate = {k: _rate(runs[k]["intervals"], after) for k in ("lockstep", "rebalance")}
+    ideal = runs["alone_fast"]["samples_per_s"] + runs["alone_slow"]["samples_per_s"]
+    report = {
+        "lockstep_samples_per_s": rate["lockstep"],
+        "rebalance_samples_per_s": rate["rebalance"],
+        "ideal_samples_per_s": ideal,
+        "rebalance_vs_lockstep": rate["rebalance"] / rate["lockstep"],
+        "rebalance_vs_ideal": rate["rebalance"] / ideal,
+        "slowdown": runs["alone_fast"]["samples_per_s"] / runs["alone_slow"]["samples_per_s"],
+        "from_step": after,
+        "final_rows": moves[-1]["rows"] if moves else None,
+        "targets": {
+            "rebalance_vs_lockstep": REBALANCE_VS_LOCKSTEP_TARGET,
+            "rebalance_vs_ideal": REBALANCE_VS_IDEAL_TARGET,
+        },
+        "runs": {k: {x: v for x, v in r.items() if x != "intervals"} for k, r in runs.items()},
+        "setup": {"model": MODEL, "global_batch": BATCH, "steps": args.steps},
+    }
+    print(
+        f"hetero: lock-step {rate['lockstep']:,.0f} samples/s, rebalance "
+        f"{rate['rebalance']:,.0f} ({report['rebalance_vs_lockstep']:.2f}x, target >= "
+        f"{REBALANCE_VS_LOCKSTEP_TARGET}), ideal {ideal:,.0f} (rebalance "
+        f"{100 * report['rebalance_vs_ideal']:.0f}% of it, target >= "
+        f"{100 * REBALANCE_VS_IDEAL_TARGET:.0f}%); slowed worker "
+        f"{report['slowdown']:.2f}x slower alone; final rows per rank {report['final_rows']}"
+    )
+    return report
+
+
+def _run(workdir: str, label: str, overrides: list[str], slow_one: bool) -> dict:
+    """A run with its first worker slowed (``slow_one``) or pinned alone to the other
+    core; its summary's figures and its log intervals."""
+    run = Run(Path(workdir), label, overrides)
+    slowdown = Slowdown(busy=1)
+    try:
+        world = 2 if "scaling.workers=2" in overrides else 1
+        pids = run.wait_for(
+            "training workers",
+            lambda: len(w := train_workers_under(run.proc.pid)) == world and w,
+        )
+        if slow_one:
+            slowdown.apply(pids[:1], pids[1:])
+        else:
+            slowdown.apply([], pids)
+        rc = run.finish(timeout=900)
+    finally:
+        slowdown.stop()
+        if run.proc.poll() is None:
+            run.proc.kill()
+    if rc != 0:
+        raise RuntimeError(f"{label} run failed ({rc}):\n{run.output()[-3000:]}")
+    summary = run.summary()
+    return {
+        "samples_per_s": summary["samples_per_s"],
+        "workers": summary["workers"],
+        "slowest_median_ratio": summary["slowest_median_ratio"],
+        "stragglers": [e for e in summary["events"] if e["event"] == "straggler"],
+        "rebalances": [e for e in summary["events"] if e["event"] == "rebalance"],
+        "intervals": [
+            (r["step"], r["train/samples_per_s"]) for r in run.records() if "train/loss" in r
+        ],
+    }
+
+
+def _rate(intervals: list[tuple[int, float]], after: int) -> float:
+    """The median samples/s of the log intervals that end after step ``after`` + one
+    interval (the first after a change holds the reader's switch)."""
+    steps = [s for s, _ in intervals]
+    gap = min((b - a for a, b in zip(steps, steps[1:], strict=False)), default=1)
+    rates = [v for s, v in intervals if s > after + gap]
+    return statistics.median(rates or [v for _, v in intervals])
