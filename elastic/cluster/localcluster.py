@@ -259,7 +259,8 @@ class Run(RunFiles):
             self.log.close()
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return Path(self.log.name).read_text()
 
 
@@ -317,7 +318,13 @@ class Slowdown:
 
     def apply(self, slow: list[int], fast: list[int] | None = None) -> None:
         """Pin ``slow`` to the busy CPU and ``fast`` to the other, twice half a second
-        apart (threads started meanwhile by threads not yet pinned)."""
+        apart (threads started meanwhile by threads not yet pinned). The spinning
+        processes take the slowed ones' niceness (Ray starts its workers niced: a
+        spinner at nice 0 would take nearly all of the CPU from them)."""
+        if slow:
+            nice = psutil.Process(slow[0]).nice()
+            for p in self.busy:
+                psutil.Process(p.pid).nice(nice)
         for _ in range(2):
             for pid in slow:
                 pin(pid, self.slow_cpu)

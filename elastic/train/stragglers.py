@@ -11,9 +11,11 @@ workers the median of both is their mean, and a rank 2x slower would read 1.33x.
 
 ``stragglers.policy=rebalance``: every ``window`` intervals each rank's share of every
 step's rows is set so that the ranks' compute times come out equal, from what those
-intervals measured: rank r's time per step is taken as ``a_r + b_r * rows_r``, with
-``a_r`` its optimizer time (the same whatever its rows) and ``b_r`` its forward and
-backward time per row. The step's rows and the gradient (the mean over all of them)
+intervals measured: rank r's time per step is taken as ``a_r + b_r * rows_r``, fitted
+from the last two windows in which its rows differed (forward and backward have fixed
+costs per step too: at 1/3 of a core, a 1024-wide MLP's 5-row slice took as long as a
+15-row one); before there are two, ``a_r`` is its optimizer time, ``b_r`` the rest per
+row, and the split moves half the way. The step's rows and the gradient (the mean over all of them)
 stay the same; only who trains which rows changes.
 """
 
@@ -30,6 +32,7 @@ FIGURES = ("compute_s", "data_wait_s", "comm_s", "rows", "steps", "optimizer_s")
 
 SHARE_SCALE = 10_000  # a rebalanced split's shares sum to this
 MIN_MOVE = 0.02  # a new split must move this share of the global batch (else noise)
+EVEN = 0.05  # compute times this close (slowest / fastest - 1) are left as they are
 
 
 class StragglerWatch:
@@ -45,6 +48,7 @@ class StragglerWatch:
         self._since_split = np.zeros((world, len(FIGURES)))  # since the last rebalance()
         self._intervals_since_split = 0
         self.shares: tuple[int, ...] | None = None  # None: equal shares
+        self._point: tuple[np.ndarray, np.ndarray] | None = None  # last rows, compute
 
     def observe(self, table: np.ndarray) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """One interval's sums, a row per rank (columns :data:`FIGURES`): the figures to
@@ -89,23 +93,39 @@ class StragglerWatch:
         return figures, events
 
     def rebalance(self, global_batch: int, max_rows: int | None = None) -> tuple[int, ...] | None:
-        """Every ``window`` intervals: a new split of every step's rows in proportion to
-        the ranks' speeds since the split last changed, when it moves at least
-        :data:`MIN_MOVE` of the global batch (else None). ``max_rows``: no rank's slice
-        larger (``data.micro_batch_size`` x accumulation steps, when set)."""
+        """Every ``window`` intervals: a new split of every step's rows that evens the
+        ranks' compute times out (module docstring), or None: the times are within
+        :data:`EVEN` of each other, or the split would move less than :data:`MIN_MOVE`
+        of the global batch. ``max_rows``: no rank's slice larger
+        (``data.micro_batch_size`` x accumulation steps, when set)."""
         world = len(self.where)
         if world < 2 or self._intervals_since_split < self.cfg.window:
             return None
-        sums = self._since_split
+        sums = self._since_split.copy()
+        self._since_split[:] = 0
+        self._intervals_since_split = 0
         steps = np.maximum(sums[:, FIGURES.index("steps")], 1)
         rows = sums[:, FIGURES.index("rows")] / steps
+        compute = sums[:, 0] / steps
         fixed = sums[:, FIGURES.index("optimizer_s")] / steps
-        per_row = (sums[:, 0] / steps - fixed) / np.maximum(rows, 1e-9)
-        if (rows <= 0).any() or (per_row <= 0).any():
+        if (rows <= 0).any() or (compute <= fixed).any():
             return None
-        n = _even_times(fixed, per_row, global_batch)
+        previous, self._point = self._point, (rows, compute)
+        if compute.max() / compute.min() < 1 + EVEN:
+            return None
+        # each rank's time per step as a + b * rows: from this window and the last one
+        # where its rows differed (forward and backward have fixed costs too); else
+        # its optimizer time + the rest in proportion to its rows, and then only half
+        # the way (that model leaves the fixed part of forward and backward out)
+        a, b, step = fixed, (compute - fixed) / rows, 0.5
+        if previous is not None and (np.abs(rows - previous[0]) >= 1).all():
+            fit_b = (compute - previous[1]) / (rows - previous[0])
+            fit_a = compute - fit_b * rows
+            if (fit_b > 0).all() and (fit_a >= -0.05 * compute).all():  # float noise
+                a, b, step = np.maximum(fit_a, 0.0), fit_b, 1.0
+        target = rows + step * (_even_times(a, b, global_batch) - rows)
         floor = -(-SHARE_SCALE // global_batch)  # at least a row a step each
-        shares = np.maximum(np.round(SHARE_SCALE * n / n.sum()), floor)
+        shares = np.maximum(np.round(SHARE_SCALE * target / target.sum()), floor)
         if max_rows is not None:  # no slice over the memory bound: the rest to the others
             cap = max(floor, SHARE_SCALE * max_rows // global_batch)
             for _ in range(world):
@@ -117,11 +137,9 @@ class StragglerWatch:
                 shares[~over] += spare * shares[~over] / shares[~over].sum()
         new = tuple(int(w) for w in shares)
         old = self.shares or (1,) * world
-        self._since_split[:] = 0
-        self._intervals_since_split = 0
         moved = max(
-            abs(a - b)
-            for a, b in zip(_rows(new, global_batch), _rows(old, global_batch), strict=True)
+            abs(x - y)
+            for x, y in zip(_rows(new, global_batch), _rows(old, global_batch), strict=True)
         )
         if moved < max(1, MIN_MOVE * global_batch):
             return None
