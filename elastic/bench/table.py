@@ -32,7 +32,7 @@ QUICK = {  # --quick: fewer rounds and steps, same figures (noisier)
     "recovery": ["--rounds", "1"],
     "chaos": ["--epochs", "10"],
     "memory": ["--precision", "bf16"],
-    "hetero": ["--steps", "120"],
+    "hetero": ["--steps", "80"],
 }
 
 
