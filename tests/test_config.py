@@ -200,6 +200,13 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([*real, *flat, f"data.path={wide}", "model.output_dim=4"], "holds 16 target value(s)"),
         # a mistyped data path under a synthetic experiment would get data of its own
         ([f"data.path={tmp_path}/smok/train"], "synthetic data is generated only at"),
+        # stragglers.*
+        (["stragglers.threshold=1.0"], "stragglers.threshold=1.0 is not valid: it must be > 1"),
+        (["stragglers.threshold=0.5"], "stragglers.threshold=0.5 is not valid"),
+        (["stragglers.window=0"], "stragglers.window=0 is not valid: it must be >= 1"),
+        (["stragglers.policy=fastest"], "stragglers.policy='fastest' is not valid: use one of"),
+        (["stragglers.policy=evict"], "stragglers.policy=evict is not built yet"),
+        (["stragglers.cooldown_s=-1"], "stragglers.cooldown_s=-1.0 is not valid"),
     ]
 
 
