@@ -173,7 +173,7 @@ def test_a_weighted_split_trains_the_same_rows_in_proportion_to_the_shares(share
     """Rebalancing (stragglers.policy=rebalance) moves rows between ranks, never out of
     the step: the slices in rank order are the global batch, each rank's as large as
     its share of it (within a row)."""
-    from elastic.data.order import SliceAssembler
+    from elastic.data.order import SliceAssembler, slice_sizes
 
     p, world = plan(lanes=8, window=40), len(shares)
     for step in range(p.steps):
@@ -182,6 +182,7 @@ def test_a_weighted_split_trains_the_same_rows_in_proportion_to_the_shares(share
         assert [row for sl in slices for row in sl] == expected, (step, shares)
         for r, sl in enumerate(slices):
             assert abs(len(sl) - len(expected) * shares[r] / sum(shares)) < 1
+        assert [len(sl) for sl in slices] == slice_sizes(len(expected), shares)
     if len(set(shares)) == 1:  # equal shares are the plain world size
         assert all(
             p.slice(s, r, shares) == p.slice(s, r, world)

@@ -45,6 +45,13 @@ Split = int | tuple[int, ...]
 share (non-negative integers, by rank; their sum > 0)."""
 
 
+def slice_sizes(rows: int, split: Split) -> list[int]:
+    """How many of a step's ``rows`` each rank trains under ``split``, by rank (the
+    sizes of :meth:`EpochPlan.bounds`' slices)."""
+    cum = np.cumsum((0, *shares_of(split)))
+    return [int(n) for n in np.diff(rows * cum // cum[-1])]
+
+
 def shares_of(split: Split) -> tuple[int, ...]:
     """A split as its shares, by rank."""
     if isinstance(split, int):

@@ -2,8 +2,8 @@
 
 Every global batch is fixed by the plan (:mod:`elastic.data.order`); a rank knows from
 the Parquet footers which row groups its slices need and in which order, from any step
-on. :class:`PlannedReader` reads exactly those (one Ray Data read task a row group,
-decoded by the format's decoder) in a
+on. :class:`PlannedReader` reads exactly those (Ray Data read tasks of ~8 MB of
+consecutive row groups, decoded by the format's decoder) in a
 background thread, into a buffer bounded by ``data.prefetch_mb``, and goes on to the
 next epoch's groups as soon as the current epoch's are read, so an epoch's start overlaps
 with the tail of the one before. It reads at most one epoch ahead of training.
@@ -202,7 +202,7 @@ class PlannedReader:
         self._bytes = 0
         self._cond = threading.Condition()
         self._stop = False
-        self._streams: list[_RayStream] = []  # to close with the reader
+        self._stream_now: _RayStream | None = None  # the epoch's; closed with the reader
         self._consuming = first_epoch - 1  # the epoch training is in
         self.started = time.perf_counter()
         # start -> every row group of the first step read and decoded here
@@ -309,8 +309,8 @@ class PlannedReader:
         logging.getLogger("ray.data").setLevel(logging.WARNING)
         ds = planned_dataset(self.cfg, self.files, reads)
         batches = ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2)
-        self._streams.append(stream := _RayStream(batches))
-        return stream
+        self._stream_now = _RayStream(batches)
+        return self._stream_now
 
     def _assemble(self, pieces: Iterator[tuple[Group, Columns]], fg: Group) -> Columns:
         """Row group ``fg`` whole, from the next piece(s) of the blocks (a large group
@@ -396,5 +396,5 @@ class PlannedReader:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        for stream in self._streams:
-            stream.close()
+        if self._stream_now is not None:
+            self._stream_now.close()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from elastic.config.schema import TrainConfig
 from elastic.data.formats import data_format
 from elastic.data.ids import ids_digest
-from elastic.data.order import Layout
+from elastic.data.order import Layout, slice_sizes
 from elastic.data.reader import PlannedReader, epoch_plan
 from elastic.data.shards import damaged_shard
 from elastic.data.stream import StepBatch, StepStream, val_blocks
@@ -46,7 +46,7 @@ from elastic.train.engine import (
     set_base_lr,
     warm_imports,
 )
-from elastic.train.stragglers import StragglerWatch
+from elastic.train.stragglers import FIGURES, StragglerWatch
 from elastic.train.timing import COMPUTE, PHASES, PhaseTimes
 
 # Batches arrive as read-only numpy views of Ray's object store; torch only reads them,
@@ -494,8 +494,9 @@ class _Trainer:
         elapsed = now - self._interval_start
         seconds = self.times.take_interval()  # this rank's phases
         table = self._gather_interval(seconds)  # every rank's: loss sum, then FIGURES
-        loss = float(table[:, 0].sum() / table[:, 4].sum())
-        samples_per_s = float(table[:, 4].sum()) / elapsed if elapsed > 0 else 0.0
+        rows = float(table[:, 1 + FIGURES.index("rows")].sum())
+        loss = float(table[:, 0].sum() / rows)
+        samples_per_s = rows / elapsed if elapsed > 0 else 0.0
         shares = {p: v / elapsed if elapsed > 0 else 0.0 for p, v in seconds.items()}
         per_worker, stragglers = self.stragglers.observe(table[:, 1:])
         if s.loss_first is None:
@@ -549,14 +550,12 @@ class _Trainer:
             return False
         s = self.state
         self.reader = self.reader.resplit(split, s.epoch, s.step - s.epoch_start_step)
-        plan = epoch_plan(self.cfg.data, self.reader.layout, s.epoch)
-        rows = [plan.bounds(0, r, split) for r in range(self.world)]
         self.tracker.event(
             s.step,
             "rebalance",
             world_size=self.world,
             shares=list(split),
-            rows=[hi - lo for lo, hi in rows],  # of a full step, by rank
+            rows=slice_sizes(self.cfg.data.global_batch_size, split),  # a full step's
         )
         return True
 
@@ -565,10 +564,16 @@ class _Trainer:
         figures (compute, data wait and collective seconds, rows, steps, optimizer
         seconds)."""
         loss_sum, rows, steps = self._interval.tolist()
-        compute = sum(seconds[p] for p in COMPUTE)
+        figures = {
+            "compute_s": sum(seconds[p] for p in COMPUTE),
+            "data_wait_s": seconds["data_wait"],
+            "comm_s": seconds["comm"],
+            "rows": rows,
+            "steps": steps,
+            "optimizer_s": seconds["optimizer"],
+        }
         mine = torch.tensor(
-            [loss_sum, compute, seconds["data_wait"], seconds["comm"], rows, steps]
-            + [seconds["optimizer"]],
+            [loss_sum, *(figures[k] for k in FIGURES)],
             dtype=torch.float64,
             device=self._collective_device,
         )

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from elastic.config.schema import StragglersConfig
+from elastic.data.order import slice_sizes
 
 FIGURES = ("compute_s", "data_wait_s", "comm_s", "rows", "steps", "optimizer_s")
 """What each rank sends each log interval (sums over the interval)."""
@@ -139,7 +140,9 @@ class StragglerWatch:
         old = self.shares or (1,) * world
         moved = max(
             abs(x - y)
-            for x, y in zip(_rows(new, global_batch), _rows(old, global_batch), strict=True)
+            for x, y in zip(
+                slice_sizes(global_batch, new), slice_sizes(global_batch, old), strict=True
+            )
         )
         if moved < max(1, MIN_MOVE * global_batch):
             return None
@@ -183,13 +186,6 @@ def _even_times(fixed: np.ndarray, per_row: np.ndarray, total: int) -> np.ndarra
             break
         take &= rows >= 1
     return np.maximum(rows, 1.0)
-
-
-def _rows(shares: tuple[int, ...], global_batch: int) -> list[int]:
-    """Rows of a full step each rank trains under ``shares`` (as EpochPlan.bounds)."""
-    cum = np.cumsum((0, *shares))
-    edges = global_batch * cum // cum[-1]
-    return list(np.diff(edges))
 
 
 def _ratio_to_others(compute: np.ndarray, r: int) -> float:
