@@ -6,7 +6,6 @@ import importlib
 import math
 import os
 import threading
-import time
 from typing import Any
 
 import torch
@@ -130,34 +129,3 @@ def set_base_lr(engine: Any, cfg: TrainConfig) -> None:
     for group in scheduler.optimizer.param_groups:
         group["initial_lr"] = lr
         group["lr"] = lr * factor
-
-
-class BackwardClock:
-    """Where a rank's own backward work ends inside ``engine.backward``.
-
-    DeepSpeed reduces the gradients across ranks in the engine's ``_backward_epilogue``
-    (a private method, DeepSpeed 0.19.8: called once per backward, after autograd, at
-    every ZeRO stage), so the time before it is this rank's local backward pass and the
-    time after it is communication, which holds the wait for the slowest rank. Two
-    cases where some communication stays in the local part: ZeRO-3 all-gathers
-    parameters in the forward and backward passes, and a model larger than DeepSpeed's
-    reduce bucket (5e8 elements by default) reduces full buckets during autograd."""
-
-    def __init__(self, engine: Any) -> None:
-        self._mark: float | None = None
-        original = getattr(engine, "_backward_epilogue", None)
-        if callable(original):
-
-            def epilogue(*args: Any, **kwargs: Any) -> Any:
-                self._mark = time.perf_counter()
-                return original(*args, **kwargs)
-
-            engine._backward_epilogue = epilogue
-
-    def split(self, t0: float, t1: float) -> tuple[float, float]:
-        """(local, communication) seconds of the backward that ran from ``t0`` to ``t1``
-        (``time.perf_counter()``); all local where DeepSpeed did not mark its epilogue."""
-        mark, self._mark = self._mark, None
-        if mark is None or not t0 <= mark <= t1:
-            return t1 - t0, 0.0
-        return mark - t0, t1 - mark

@@ -39,15 +39,9 @@ from elastic.train import integrity
 from elastic.train.batch import BatchPlan
 from elastic.train.control import StopPoller, node_drain_probe
 from elastic.train.divergence import Divergence
-from elastic.train.engine import (
-    BackwardClock,
-    build_engine,
-    init_distributed,
-    set_base_lr,
-    warm_imports,
-)
+from elastic.train.engine import build_engine, init_distributed, set_base_lr, warm_imports
 from elastic.train.stragglers import FIGURES, StragglerWatch
-from elastic.train.timing import COMPUTE, PHASES, PhaseTimes
+from elastic.train.timing import COMPUTE, PHASES, CollectiveClock, PhaseTimes
 
 # Batches arrive as read-only numpy views of Ray's object store; torch only reads them,
 # so we wrap them without a copy and silence torch's warning about writability.
@@ -112,6 +106,7 @@ def train_loop(config: dict[str, Any]) -> None:
             empty=data_format(cfg.data.format).empty_batch(cfg.data, cfg.model),
         )
         marks = {"data_s": time.perf_counter()}
+        CollectiveClock.install()  # before DeepSpeed keeps references to collectives
         init_distributed(cfg.scaling.use_gpu, warming)
         marks["distributed_s"] = time.perf_counter()
         _seed_everything(cfg.trainer.seed)
@@ -283,10 +278,10 @@ class _Trainer:
         self.device = engine.device
         self.dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
         self.times = PhaseTimes()
-        self._backward_clock = BackwardClock(engine)
         # every rank's figures each log interval: who is slow (stragglers.*)
         self.stragglers = StragglerWatch(cfg.stragglers, _where(world))
         self._new_split: tuple[int, ...] | None = None  # rebalance: from the next step on
+        self._warm = False  # a log interval after the group's first step has begun
         self._step_digest = 0  # the last step's ids_digest over all ranks
         self._first_batch_s: float | None = None  # group start -> its first batch here
         self.data_ready_s: float | None = None  # group start -> its first batch read
@@ -450,18 +445,14 @@ class _Trainer:
             ids,
             strict=True,
         ):
-            t0 = time.perf_counter()
-            losses = self._losses(engine(xs).float(), ys)
-            loss = losses.sum() * weight
-            self.times.since("forward", t0)
-            t0 = time.perf_counter()
-            engine.backward(loss)
-            local, comm = self._backward_clock.split(t0, time.perf_counter())
-            self.times.add("backward", local)
-            self.times.add("comm", comm)
-            t0 = time.perf_counter()
-            engine.step()
-            self.times.since("optimizer", t0)
+            # each phase's collectives (the wait for the slowest rank) count as comm
+            with self.times.phase("forward"):
+                losses = self._losses(engine(xs).float(), ys)
+                loss = losses.sum() * weight
+            with self.times.phase("backward"):
+                engine.backward(loss)
+            with self.times.phase("optimizer"):
+                engine.step()
             micro_sum = losses.detach().double().sum().cpu()
             if not torch.isfinite(micro_sum):
                 bad = ~torch.isfinite(losses.detach().cpu()).numpy()
@@ -498,7 +489,9 @@ class _Trainer:
         loss = float(table[:, 0].sum() / rows)
         samples_per_s = rows / elapsed if elapsed > 0 else 0.0
         shares = {p: v / elapsed if elapsed > 0 else 0.0 for p, v in seconds.items()}
-        per_worker, stragglers = self.stragglers.observe(table[:, 1:])
+        # the group's first interval holds its first step: no measure of anyone's speed
+        warmup, self._warm = not self._warm, True
+        per_worker, stragglers = self.stragglers.observe(table[:, 1:], warmup)
         if s.loss_first is None:
             s.loss_first = loss
         s.loss_last = loss

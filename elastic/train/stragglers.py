@@ -51,13 +51,19 @@ class StragglerWatch:
         self.shares: tuple[int, ...] | None = None  # None: equal shares
         self._point: tuple[np.ndarray, np.ndarray] | None = None  # last rows, compute
 
-    def observe(self, table: np.ndarray) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    def observe(
+        self, table: np.ndarray, warmup: bool = False
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """One interval's sums, a row per rank (columns :data:`FIGURES`): the figures to
-        log (per rank, per step) and the straggler events this interval starts."""
+        log (per rank, per step) and the straggler events this interval starts.
+        ``warmup``: the interval holds the worker group's first step (first-touch
+        allocations, lazy initialisation: ~50x a later step, and not alike on every
+        rank): logged, but kept out of the means, the streaks and the rebalancing."""
         table = np.asarray(table, dtype=np.float64)
-        self._sums += table
-        self._since_split += table
-        self._intervals_since_split += 1
+        if not warmup:
+            self._sums += table
+            self._since_split += table
+            self._intervals_since_split += 1
         steps = np.maximum(table[:, FIGURES.index("steps")], 1)
         compute = table[:, 0] / steps
         rows = table[:, FIGURES.index("rows")]
@@ -68,11 +74,11 @@ class StragglerWatch:
             figures[f"worker_comm_s/rank{r}"] = table[r, 2] / steps[r]
             speed = rows[r] / table[r, 0] if table[r, 0] > 0 else 0.0
             figures[f"worker_compute_samples_per_s/rank{r}"] = speed
-        events = []
+        events: list[dict[str, Any]] = []
         if len(table) > 1:
             median = float(np.median(compute))
             figures["train/straggler_ratio"] = float(compute.max() / median) if median > 0 else 1.0
-            for r in range(len(table)):
+            for r in range(len(table) if not warmup else 0):
                 ratio = _ratio_to_others(compute, r)
                 if ratio > self.cfg.threshold:
                     self._streak[r] += 1
