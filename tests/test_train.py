@@ -27,18 +27,31 @@ def _losses(run_dir: str) -> dict[int, float]:
     return out
 
 
+def _drop_checkpoints_after(run_dir, step: int) -> None:
+    """What the README says to do by hand to resume from an earlier checkpoint:
+    ``rm -r runs/NAME/step=N`` for every later one."""
+    import shutil
+
+    for folder in glob.glob(os.path.join(run_dir, "step=*")):
+        if int(os.path.basename(folder).split("=")[1]) > step:
+            shutil.rmtree(folder)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stage_trains_checkpoints_and_resumes_exactly(stage, small_data, tmp_path):
     """One epoch of 1,000 rows at a global batch of 64 (16 steps, the last one partial,
-    split unevenly over the 2 workers); then the same run stopped at step 5 and resumed:
-    it continues bit for bit and trains every sample of the epoch exactly once."""
+    split unevenly over the 2 workers), checkpointing every 3 steps; then its checkpoints
+    after step 6 are deleted by hand and the same command resumes from step 6: it
+    continues bit for bit and trains every sample of the epoch exactly once."""
     common = [
         f"strategy.zero_stage={stage}",
         "trainer.max_steps=0",
         "trainer.max_epochs=1",
         "logger=none",
         "checkpoint.every_steps=3",
+        "checkpoint.keep=10",
         "optim.lr=0.005",
+        "run.name=full",
     ]
     one_epoch = [{"epoch": 0, "trained": 1000, "duplicates": 0}]
     tracked = [  # one of the runs is tracked in W&B too (validation changes no step)
@@ -46,45 +59,48 @@ def test_zero_stage_trains_checkpoints_and_resumes_exactly(stage, small_data, tm
         "trainer.val_every_steps=4",
         "metrics.target='val/r2>=0.9999'",  # out of reach in 16 steps
     ]
-    full_run = [o for o in common if o != "logger=none"] + tracked if stage == 2 else common
-    full = train(small_overrides(small_data, tmp_path, *full_run, "run.name=full"))
+    command = small_overrides(
+        small_data,
+        tmp_path,
+        *([o for o in common if o != "logger=none"] + tracked if stage == 2 else common),
+    )
+    full = train(command)
     assert full["status"] == "finished" and full["steps"] == 16
     assert full["world_sizes"] == [2]
     assert full["epochs_closed"] == one_epoch
-    losses = _losses(os.path.join(tmp_path, "full"))
+    run_dir = tmp_path / "full"
+    expected = _losses(run_dir)
     first, last = (
-        np.mean([losses[s] for s in (1, 2, 3)]),
-        np.mean([losses[s] for s in (14, 15, 16)]),
+        np.mean([expected[s] for s in (1, 2, 3)]),
+        np.mean([expected[s] for s in (14, 15, 16)]),
     )
-    assert last < 0.8 * first, losses
+    assert last < 0.8 * first, expected
     assert full["val"]["r2"] > 0.2
+    if stage == 2:
+        _assert_wandb_offline_run_holds_the_logged_metrics(full, run_dir)
 
-    stopped = train(
-        small_overrides(small_data, tmp_path, *common, "run.name=cut", "trainer.stop_at_step=5")
-    )
-    assert stopped["status"] == "stopped" and stopped["steps"] == 5
-    ckpt_dir = stopped["checkpoint"]
-    assert os.path.basename(ckpt_dir) == "step=000000005"
-    assert os.path.exists(os.path.join(ckpt_dir, "trainer_state.json"))
+    ckpt_dir = run_dir / "step=000000006"
+    assert (ckpt_dir / "trainer_state.json").exists()
     # DeepSpeed state: model (stage 0 keeps the optimizer there too) and ZeRO partitions
-    assert glob.glob(os.path.join(ckpt_dir, "model", "*model_states.pt"))
+    assert glob.glob(str(ckpt_dir / "model" / "*model_states.pt"))
     if stage > 0:
-        assert len(glob.glob(os.path.join(ckpt_dir, "model", "*optim_states.pt"))) == 2
+        assert len(glob.glob(str(ckpt_dir / "model" / "*optim_states.pt"))) == 2
 
-    resumed = train(small_overrides(small_data, tmp_path, *common, "run.name=cut"))
+    _drop_checkpoints_after(run_dir, 6)
+    resumed = train(command)
     assert resumed["status"] == "finished" and resumed["steps"] == 16
     assert resumed["samples_seen"] == full["samples_seen"] == 1000
-    cut_dir = os.path.join(tmp_path, "cut")
-    assert [e["step"] for e in read_events(cut_dir) if e["event"] == "resume"] == [5]
+    assert [e["step"] for e in read_events(run_dir) if e["event"] == "resume"] == [6]
     # every sample of the epoch once across the cut: the ledger holds exactly the data
     assert_every_epoch_once(resumed, small_data / "train", epochs=1, rows=1000)
 
     # same world size, CPU fp32: the resumed run continues bit for bit
-    expected, got = _losses(os.path.join(tmp_path, "full")), _losses(cut_dir)
-    for step in range(6, 17):
+    got = _losses(run_dir)  # the last record of each step: the resumed session's
+    with open(run_dir / "metrics.jsonl") as f:
+        logged = [r["step"] for r in map(json.loads, f) if "train/loss" in r]
+    assert logged == list(range(1, 17)) + list(range(7, 17))
+    for step in range(7, 17):
         assert got[step] == expected[step], (step, got[step], expected[step])
-    if stage == 2:
-        _assert_wandb_offline_run_holds_the_logged_metrics(full, tmp_path / "full")
 
 
 def _assert_wandb_offline_run_holds_the_logged_metrics(summary: dict, run_dir) -> None:
@@ -127,30 +143,35 @@ def test_cached_and_streamed_epochs_train_alike_and_resume_in_a_later_epoch_exac
     """The train split fits data.cache_mb, so each worker keeps every row group it reads
     and later epochs come from its memory; with data.cache_mb=0 every epoch is read
     again through Ray Data. The plan is the same: the same losses to the bit, every
-    epoch trained once. Each way, a run stopped in its second epoch (a new row order
-    every epoch) and resumed continues bit for bit."""
+    epoch trained once. Each way, the run resumed from its checkpoint in its second
+    epoch (a new row order every epoch; the later ones deleted by hand) continues bit for
+    bit."""
     common = [
         "trainer.max_steps=0",
         "trainer.max_epochs=3",
         "logger=none",
-        "checkpoint.every_steps=0",
+        "checkpoint.every_steps=20",
+        "checkpoint.keep=10",
     ]
     losses = {}
     for name, cache in (("cached", "data.cache_mb=512"), ("streamed", "data.cache_mb=0")):
-        run = [*common, cache]
-        full = train(small_overrides(small_data, tmp_path, *run, f"run.name={name}"))
+        command = small_overrides(small_data, tmp_path, *common, cache, f"run.name={name}")
+        full = train(command)
         assert full["steps"] == 48
         assert full["epochs_closed"] == [
             {"epoch": e, "trained": 1000, "duplicates": 0} for e in range(3)
         ]
         losses[name] = _losses(tmp_path / name)
-        cut = [*run, f"run.name={name}-cut"]
-        stopped = train(small_overrides(small_data, tmp_path, *cut, "trainer.stop_at_step=20"))
-        assert stopped["status"] == "stopped" and stopped["steps"] == 20
-        resumed = train(small_overrides(small_data, tmp_path, *cut))
+        _drop_checkpoints_after(tmp_path / name, 20)
+        resumed = train(command)
         assert resumed["status"] == "finished" and resumed["steps"] == 48
+        events = read_events(str(tmp_path / name))
+        assert [e["step"] for e in events if e["event"] == "resume"] == [20]
         assert_every_epoch_once(resumed, small_data / "train", epochs=3, rows=1000)
-        got = _losses(tmp_path / f"{name}-cut")
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            logged = [r["step"] for r in map(json.loads, f) if "train/loss" in r]
+        assert logged == list(range(1, 49)) + list(range(21, 49))
+        got = _losses(tmp_path / name)  # the resumed session's, from step 21
         assert [got[s] for s in range(21, 49)] == [losses[name][s] for s in range(21, 49)]
     assert len(losses["cached"]) == 48
     assert losses["cached"] == losses["streamed"]
