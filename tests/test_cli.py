@@ -173,7 +173,12 @@ def test_a_stop_signal_during_start_up_exits_75_and_leaves_nothing_running(
     rc = run.finish()
     name = signal.Signals(signum).name
     assert rc == 75, run.out
-    assert f"[elastic] {name}: stopped" in run.out
+    # stopped where start-up was; or, when the signal lands once the fit has begun
+    # (a loaded machine may get there first), the fit's own stop: checkpoint, then 75
+    assert f"[elastic] {name}: stopped" in run.out or (
+        f"[elastic] {name}: checkpointing now, then stopping" in run.out
+        and "[elastic] preempted: run the same command" in run.out
+    ), run.out
     assert "Traceback" not in run.out
     assert run.left_running() == []
     assert not glob.glob(f"/tmp/elastic-ray-{run.proc.pid}"), "the cluster's files are left"
