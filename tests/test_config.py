@@ -205,7 +205,11 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["stragglers.threshold=0.5"], "stragglers.threshold=0.5 is not valid"),
         (["stragglers.window=0"], "stragglers.window=0 is not valid: it must be >= 1"),
         (["stragglers.policy=fastest"], "stragglers.policy='fastest' is not valid: use one of"),
-        (["stragglers.policy=evict"], "stragglers.policy=evict is not built yet"),
+        (
+            ["stragglers.policy=evict", "stragglers.max_evictions=0"],
+            "stragglers.policy=evict with stragglers.max_evictions=0 evicts nothing",
+        ),
+        (["stragglers.max_evictions=-1"], "stragglers.max_evictions=-1 is not valid"),
         (["stragglers.cooldown_s=-1"], "stragglers.cooldown_s=-1.0 is not valid"),
     ]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -222,3 +223,75 @@ def test_a_slowed_worker_is_found_and_rebalancing_moves_rows_off_it_not_the_loss
     assert sorted(a) == sorted(b)
     worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in a)
     assert worst < 1e-4, worst
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to slow one")
+def test_evict_drops_the_slow_node_for_its_cooldown_then_takes_it_back(tmp_path):
+    """A real 3-raylet cluster (a head and two worker nodes, one training worker each);
+    the worker on the second node is slowed for real. ``stragglers.policy=evict``: the
+    run checkpoints, the slow node is kept out and the group restarts at 1 from that
+    checkpoint; although the node is free, the run does not grow back onto it before
+    ``stragglers.cooldown_s``; after it, the node is taken back (world size 2 again).
+    Every step trains the planned rows, every sample once."""
+    from conftest import cluster_data, cluster_overrides, planned_digests
+
+    from elastic.cluster.localcluster import RayCluster
+
+    cooldown = 20
+    data = cluster_data(tmp_path / "data", 2048, seed=3)
+    overrides = cluster_overrides(
+        data, 1024, 64, 200, FAST_POLL,
+        "scaling.min_workers=1", "scaling.max_workers=2", "scaling.cpus_per_worker=3",
+        "checkpoint.every_steps=1000", "stragglers.policy=evict", "stragglers.window=3",
+        f"stragglers.cooldown_s={cooldown}",
+    )  # fmt: skip
+    c = RayCluster(2)
+    slowdown = Slowdown(busy=3)
+    try:
+        run = Run(tmp_path, "evict", overrides, c.address)
+        pids = run.wait_for(
+            "2 training workers", lambda: len(p := c.train_worker_pids()) == 2 and p
+        )
+        slow_pid = next(p for p in pids if c.node_of_pid(p) is c.nodes[1])
+        fast_pid = next(p for p in pids if p != slow_pid)
+        slow_node = c.nodes[1].node_id
+        slowdown.apply([slow_pid], [fast_pid])
+        evicted = run.wait_for("the eviction", lambda: run.events("evict"), timeout=240)[0]
+        slowdown.stop()  # the node is fine again: only the cooldown keeps it out
+        grown = run.wait_for(
+            "the group grown back",
+            lambda: [e for e in run.events("restart") if e["cause"] == "grow"],
+            timeout=240,
+        )[0]
+        run.wait_step(grown["time"], world=2)
+        run.signal(signal.SIGTERM)
+        assert run.finish() == 75, run.output()[-5000:]
+    finally:
+        slowdown.stop()
+        if run.proc.poll() is None:
+            run.proc.kill()
+        c.shutdown()
+
+    s = run.summary()
+    assert evicted["node_id"] == slow_node and evicted["workers"] == 1, evicted
+    stragglers = [e for e in s["events"] if e["event"] == "straggler"]
+    assert stragglers and stragglers[0]["node_id"] == slow_node, stragglers
+    restarts = [e for e in s["events"] if e["event"] == "restart"]
+    assert [(e["cause"], e["world_size"]) for e in restarts] == [("evict", 1), ("grow", 2)]
+    assert s["world_sizes"] == [2, 1, 2]
+    # the smaller group resumed from the eviction's checkpoint: no step lost
+    resumes = [e["step"] for e in s["events"] if e["event"] == "resume"]
+    assert resumes[0] == evicted["step"], (resumes, evicted)
+    # kept out for the cooldown, though free; taken back after it
+    held = [e for e in s["events"] if e["event"] == "cordon"]
+    released = [e for e in s["events"] if e["event"] == "cordon_released"]
+    assert [e["node_id"] for e in held] == [e["node_id"] for e in released] == [slow_node]
+    assert released[0]["time"] - held[0]["time"] >= cooldown
+    assert grown["time"] - evicted["time"] >= cooldown
+    assert slow_node in {w["node_id"] for w in s["workers"]}  # the last group's ranks
+    assert s["samples_exactly_once"] is True
+    steps = s["steps"]
+    trained = {r["step"]: r["train/batch_digest"] for r in run.records() if "train/loss" in r}
+    planned = planned_digests(data / "train", {"global_batch_size": 64, "lanes": 16}, steps)
+    assert trained == {k: planned[k] for k in trained} and len(trained) == steps

@@ -141,13 +141,9 @@ class RunFiles:
 
     def registered_steps(self) -> list[int]:
         """Steps of the checkpoints Ray Train has registered (complete on every rank)."""
-        path = self.dir / "checkpoint_manager_snapshot.json"
-        try:
-            snapshot = json.loads(path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return []
-        names = [r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]]
-        return [int(n.split("=")[1]) for n in names]
+        from elastic.train.integrity import registered_steps
+
+        return registered_steps(str(self.dir))
 
     def events(self, kind: str) -> list[dict[str, Any]]:
         return [r for r in self.records() if r.get("event") == kind]

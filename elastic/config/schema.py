@@ -168,9 +168,13 @@ class StragglersConfig:
     policy: str = "report"
     """report: detect and report. rebalance: each rank's share of every step's rows
     follows its measured speed, re-evaluated every window (the step's rows and the
-    gradient stay the same). evict: not built yet."""
+    gradient stay the same). evict: checkpoint, keep the straggler's node out of the run
+    for cooldown_s and go on without it (while scaling.min_workers allows)."""
     cooldown_s: float = 600.0
     """evict: how long an evicted node is not taken back."""
+    max_evictions: int = 2
+    """evict: at most this many evictions a run (each restarts the worker group, which
+    Ray Train counts as a failure: scaling.max_failures is raised by this much)."""
 
 
 @dataclass

@@ -237,12 +237,13 @@ def _check_stragglers(cfg: TrainConfig) -> None:
             f"stragglers.window={st.window} is not valid: it must be >= 1 (log intervals)"
         )
     _allowed("stragglers.policy", st.policy, STRAGGLER_POLICIES)
-    if st.policy == "evict":
-        raise ConfigError(
-            "stragglers.policy=evict is not built yet: use stragglers.policy=rebalance "
-            "(shares of each step that follow the ranks' speeds) or report"
-        )
     _positive("stragglers.cooldown_s", st.cooldown_s, allow_zero=True)
+    _positive("stragglers.max_evictions", st.max_evictions, allow_zero=True)
+    if st.policy == "evict" and st.max_evictions == 0:
+        raise ConfigError(
+            "stragglers.policy=evict with stragglers.max_evictions=0 evicts nothing: "
+            "allow at least one, or use stragglers.policy=report"
+        )
 
 
 def _check_cluster(cfg: TrainConfig) -> None:

@@ -24,6 +24,10 @@ class RunControl:
         self._fatal: str | None = None
         self._starts: list[int] = []
         self._progress: dict[str, float] | None = None
+        self._evictions: list[dict[str, Any]] = []  # every eviction of this fit()
+        self._to_cordon: list[dict[str, Any]] = []  # not yet taken by the driver
+        self._evicting = False  # the next group start follows an eviction
+        self._cordoned: set[str] = set()  # node ids the driver keeps out now
 
     def request_stop(self, reason: str) -> None:
         self._stop_reason = self._stop_reason or reason
@@ -51,14 +55,39 @@ class RunControl:
             "samples_per_s": samples_per_s,
         }
 
-    def status(self) -> tuple[str | None, dict[str, float] | None]:
-        """What the driver polls: (a fatal error, rank 0's latest progress)."""
-        return self._fatal, self._progress
+    def evict(self, request: dict[str, Any]) -> None:
+        """Rank 0 evicts a straggler's node (``node_id``, ``cooldown_s``, ...): the
+        driver keeps it out of the run (:mod:`elastic.cluster.cordon`) before the worker
+        group restarts without it."""
+        self._evictions.append(request)
+        self._to_cordon.append(request)
+        self._evicting = True
 
-    def register_start(self, world_size: int) -> list[int]:
-        """World sizes of every worker group start of this fit(), this one last."""
+    def evictions(self) -> int:
+        return len(self._evictions)
+
+    def cordoned(self, node_id: str, held: bool) -> None:
+        """The driver: it now keeps ``node_id`` out (a hold is asked for), or no longer."""
+        if held:
+            self._cordoned.add(node_id)
+        else:
+            self._cordoned.discard(node_id)
+
+    def is_cordoned(self, node_id: str) -> bool:
+        return node_id in self._cordoned
+
+    def status(self) -> tuple[str | None, dict[str, float] | None, list[dict[str, Any]]]:
+        """What the driver polls: (a fatal error, rank 0's latest progress, the nodes
+        to keep out since the last poll)."""
+        taken, self._to_cordon = self._to_cordon, []
+        return self._fatal, self._progress, taken
+
+    def register_start(self, world_size: int) -> tuple[list[int], bool]:
+        """World sizes of every worker group start of this fit(), this one last; and
+        whether this start follows an eviction."""
         self._starts.append(world_size)
-        return list(self._starts)
+        evicted, self._evicting = self._evicting, False
+        return list(self._starts), evicted
 
 
 def start_control() -> Any:
@@ -108,3 +137,22 @@ def node_drain_probe() -> Callable[[], bool]:
     except Exception:  # not inside a Ray Train V2 worker, or the internals moved
         return lambda: False
     return lambda: preemption.preemption_info is not None
+
+
+def wait_for_eviction(control: Any, request: dict[str, Any], run_dir: str, step: int) -> None:
+    """Rank 0, before the ranks leave: the eviction is with the control actor, the driver
+    has asked for the node to be kept out (so the restarted group is placed without it),
+    and Ray Train has registered the eviction's checkpoint (so the group resumes from it,
+    not from an older one). Gives up waiting after a minute: the worst outcome is then
+    an older checkpoint or the node taken back at once, never a wrong result."""
+    import ray
+
+    from elastic.train.integrity import registered_steps
+
+    ray.get(control.evict.remote(request))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        held = ray.get(control.is_cordoned.remote(request["node_id"]))
+        if held and step in registered_steps(run_dir):
+            return
+        time.sleep(0.1)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from elastic.cluster.cordon import Cordons
 from elastic.config.schema import TrainConfig
 from elastic.data.order import Layout
 from elastic.data.pipeline import fits_cache, warm_up
@@ -134,7 +135,8 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
                 name=cfg.run.name,
                 storage_path=cfg.run.storage_path,
                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-                failure_config=FailureConfig(max_failures=sc.max_failures),
+                # an eviction restarts the worker group, which Ray Train counts as a failure
+                failure_config=FailureConfig(max_failures=sc.max_failures + _evictions(cfg)),
             ),
             torch_config=rendezvous.torch_config(sc.use_gpu),
         )
@@ -154,7 +156,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
             f, g, _ = layout.groups()[0]
             warm_up(cfg.data, train_split.files, (f, g))
         try:
-            with _run_control(control, trainer, display):
+            with _run_control(control, trainer, display, Cordons(out, control)):
                 result = trainer.fit()
         finally:
             display.close()
@@ -226,8 +228,15 @@ def check_resources(sc: Any, nodes: list[dict[str, Any]]) -> None:
             )
 
 
+def _evictions(cfg: TrainConfig) -> int:
+    st = cfg.stragglers
+    return st.max_evictions if st.policy == "evict" else 0
+
+
 @contextmanager
-def _run_control(control: Any, trainer: Any, display: Any = None) -> Iterator[None]:
+def _run_control(
+    control: Any, trainer: Any, display: Any = None, cordons: Cordons | None = None
+) -> Iterator[None]:
     """The driver's side of the control actor, for the length of fit().
 
     SIGTERM or SIGUSR1 to the driver (a batch system's warning before the end of an
@@ -242,7 +251,10 @@ def _run_control(control: Any, trainer: Any, display: Any = None) -> Iterator[No
     A worker that hits an error a retry cannot fix (:class:`RunError`: a bad row, a
     diverged step, a checkpoint that does not fit) tells the actor; the run is aborted
     rather than restarted and fit()'s caller gets the RunError, one line naming it.
-    Checkpoints already written stay."""
+    Checkpoints already written stay.
+
+    A node rank 0 evicts (``stragglers.policy=evict``) is kept out of the run for its
+    cooldown by ``cordons``, asked for here before its workers leave."""
     import ray
 
     from elastic.cluster.connect import Stopped
@@ -273,7 +285,11 @@ def _run_control(control: Any, trainer: Any, display: Any = None) -> Iterator[No
                         print(f"[elastic] {name}: checkpointing now, then stopping", flush=True)
                         control.request_stop.remote(name)
             try:
-                message, progress = ray.get(control.status.remote(), timeout=30)
+                message, progress, evictions = ray.get(control.status.remote(), timeout=30)
+                if cordons is not None:  # evicted nodes kept out for their cooldown
+                    for request in evictions:
+                        cordons.hold(request)
+                    cordons.release_due()
             except ray.exceptions.GetTimeoutError:
                 continue  # a busy head node; ask again
             except Exception:  # the run is ending; fit() reports what happened
@@ -305,6 +321,8 @@ def _run_control(control: Any, trainer: Any, display: Any = None) -> Iterator[No
     finally:
         done.set()
         thread.join()
+        if cordons is not None:
+            cordons.release_all()
         if display is not None:  # where the run ended (a short run may end between polls)
             with contextlib.suppress(Exception):
                 display.update(ray.get(control.status.remote(), timeout=10)[1], final=True)

@@ -43,6 +43,18 @@ def manifest_name(rank: int) -> str:
     return f"manifest-rank{rank}.json"
 
 
+def registered_steps(run_dir: str) -> list[int]:
+    """Steps of the checkpoints Ray Train has registered (complete on every rank): the
+    ones a restarted worker group may resume from."""
+    try:
+        with open(os.path.join(run_dir, RAY_SNAPSHOT)) as f:
+            snapshot = json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):  # none yet, or being replaced
+        return []
+    names = [r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]]
+    return [int(n.split("=")[1]) for n in names]
+
+
 def damage(path: str) -> str | None:
     """What is wrong with the checkpoint folder ``path``, naming the file, or None when
     every file is as its rank wrote it (or the checkpoint predates manifests: nothing to

@@ -37,10 +37,10 @@ from elastic.observe.tracking import NullTracker, make_tracker
 from elastic.train import checkpoint as ckpt
 from elastic.train import integrity
 from elastic.train.batch import BatchPlan
-from elastic.train.control import StopPoller, node_drain_probe
+from elastic.train.control import StopPoller, node_drain_probe, wait_for_eviction
 from elastic.train.divergence import Divergence
 from elastic.train.engine import build_engine, init_distributed, set_base_lr, warm_imports
-from elastic.train.stragglers import FIGURES, StragglerWatch
+from elastic.train.stragglers import FIGURES, Evicting, StragglerWatch, eviction
 from elastic.train.timing import COMPUTE, PHASES, CollectiveClock, PhaseTimes
 
 # Batches arrive as read-only numpy views of Ray's object store; torch only reads them,
@@ -133,10 +133,11 @@ def train_loop(config: dict[str, Any]) -> None:
     state.wandb_run_id = tracker.run_id
     control = args.control
     if rank == 0 and control is not None:
-        starts = ray.get(control.register_start.remote(world))
+        starts, evicted = ray.get(control.register_start.remote(world))
         if len(starts) > 1:  # Ray Train restarted the worker group within this run
             before = starts[-2]
             cause = "grow" if world > before else "shrink" if world < before else "failure"
+            cause = "evict" if evicted else cause
             tracker.event(state.step, "restart", cause=cause, world_size=world, previous=before)
     _note_start(state, tracker, plan, resumed=resume_from is not None, resharded=resharded)
     if rank == 0:
@@ -146,6 +147,7 @@ def train_loop(config: dict[str, Any]) -> None:
 
     trainer = _Trainer(cfg, engine, plan, state, tracker, rank, world, control, args.train_rows)
     trainer.steps_per_epoch = steps_per_epoch
+    trainer.run_dir = args.run_dir
     trainer.startup = {"since": started, **startup}
     try:
         trainer.train(reader, args.val_files)
@@ -188,14 +190,16 @@ def _seed_everything(seed: int) -> None:
 
 def _where(world: int) -> list[dict[str, Any]]:
     """Every rank's place, by rank: its node (IP and the start of its Ray node id: on a
-    one-machine cluster every node has the same IP) and its process id."""
+    one-machine cluster every node has the same IP), the whole node id, and its process
+    id."""
     import os
 
     import ray
 
-    node = f"{ray.util.get_node_ip_address()}:{ray.get_runtime_context().get_node_id()[:8]}"
+    node_id = ray.get_runtime_context().get_node_id()
+    node = f"{ray.util.get_node_ip_address()}:{node_id[:8]}"
     places: list[Any] = [None] * world
-    dist.all_gather_object(places, {"node": node, "pid": os.getpid()})
+    dist.all_gather_object(places, {"node": node, "node_id": node_id, "pid": os.getpid()})
     return places
 
 
@@ -281,6 +285,10 @@ class _Trainer:
         # every rank's figures each log interval: who is slow (stragglers.*)
         self.stragglers = StragglerWatch(cfg.stragglers, _where(world))
         self._new_split: tuple[int, ...] | None = None  # rebalance: from the next step on
+        self._control = control if rank == 0 else None
+        self._eviction: dict[str, Any] | None = None  # evict: after this step
+        self._saved_step = -1  # the step of this group's last checkpoint
+        self.run_dir = ""
         self._warm = False  # a log interval after the group's first step has begun
         self._step_digest = 0  # the last step's ids_digest over all ranks
         self._first_batch_s: float | None = None  # group start -> its first batch here
@@ -422,6 +430,41 @@ class _Trainer:
             self.tracker.event(self.state.step, "node_drain", world_size=self.world)
             if not self._done():
                 self._save({"step": self.state.step, "loss": self.state.loss_last})
+        elif self._eviction is not None and not self._ends_here():
+            self._evict(self._eviction)
+
+    def _decide_eviction(self, stragglers: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """Rank 0 decides (it alone knows the run's evictions so far) and every rank
+        follows: the node to evict, or None (then an ``evict_skipped`` event says why)."""
+        decision: list[Any] = [None]
+        if self.rank == 0:
+            import ray
+
+            done = ray.get(self._control.evictions.remote()) if self._control else 0
+            where, min_workers = self.stragglers.where, self.cfg.scaling.min_workers
+            decision = [eviction(stragglers, where, min_workers, done, self.cfg.stragglers)]
+        dist.broadcast_object_list(decision, src=0)
+        request, why = decision[0]
+        if why is not None:
+            self.tracker.event(self.state.step, "evict_skipped", world_size=self.world, reason=why)
+        return request
+
+    def _evict(self, request: dict[str, Any]) -> None:
+        """Checkpoint now; rank 0 asks the driver to keep the node out and waits until it
+        has, and until the checkpoint is registered (the one the smaller group resumes
+        from); then every rank leaves and Ray Train restarts the group without it."""
+        s = self.state
+        if self._saved_step != s.step:
+            self._save({"step": s.step, "loss": s.loss_last})
+        self.tracker.event(s.step, "evict", world_size=self.world, **request)
+        if self._control is not None:
+            wait_for_eviction(self._control, request, self.run_dir, s.step)
+        dist.barrier()
+        raise Evicting(
+            f"step {s.step}: node {request['node']} evicted (rank {request['rank']}, "
+            f"{request['ratio']}x the others' compute time) for {request['cooldown_s']:g} s: "
+            "the worker group restarts without it"
+        )
 
     @property
     def _collective_device(self) -> torch.device:
@@ -521,6 +564,8 @@ class _Trainer:
         )
         for event in stragglers:
             self.tracker.event(s.step, "straggler", world_size=self.world, **event)
+        if stragglers and self.cfg.stragglers.policy == "evict":
+            self._eviction = self._decide_eviction(stragglers)
         if self.cfg.stragglers.policy == "rebalance":  # the same table on every rank
             self._new_split = self.stragglers.rebalance(
                 self.cfg.data.global_batch_size, self._max_slice_rows()
@@ -615,6 +660,7 @@ class _Trainer:
         self._sync_ledger()
         self.times.fold_into(self.state)
         ckpt.save(self.engine, self.state, self.rank, metrics)
+        self._saved_step = self.state.step
         self.times.since("checkpoint", t0)
 
     # -- divergence ---------------------------------------------------------------------

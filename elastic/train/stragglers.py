@@ -197,3 +197,39 @@ def _even_times(fixed: np.ndarray, per_row: np.ndarray, total: int) -> np.ndarra
 def _ratio_to_others(compute: np.ndarray, r: int) -> float:
     others = float(np.median(np.delete(compute, r)))
     return float(compute[r] / others) if others > 0 else 1.0
+
+
+class Evicting(Exception):
+    """Every rank raises it once the eviction's checkpoint is registered and its node is
+    asked to be kept out: Ray Train restarts the worker group without that node."""
+
+
+def eviction(
+    events: list[dict[str, Any]],
+    where: list[dict[str, Any]],
+    min_workers: int,
+    evictions_so_far: int,
+    cfg: StragglersConfig,
+) -> tuple[dict[str, Any] | None, str | None]:
+    """``stragglers.policy=evict``: of the stragglers found this interval (``events``),
+    the slowest one's node to evict, as (request, None); or (None, why not). A node takes
+    all its ranks with it: the group must keep ``min_workers``."""
+    slowest = max(events, key=lambda e: e["ratio"])
+    node_id = where[slowest["rank"]]["node_id"]
+    leaving = sum(1 for w in where if w["node_id"] == node_id)
+    if len(where) - leaving < min_workers:
+        return None, (
+            f"evicting node {slowest['node']} would leave {len(where) - leaving} of "
+            f"{len(where)} workers, under scaling.min_workers={min_workers}"
+        )
+    if evictions_so_far >= cfg.max_evictions:
+        return None, f"stragglers.max_evictions={cfg.max_evictions} reached"
+    request = {
+        "rank": slowest["rank"],
+        "node": slowest["node"],
+        "node_id": node_id,
+        "ratio": slowest["ratio"],
+        "workers": leaving,
+        "cooldown_s": cfg.cooldown_s,
+    }
+    return request, None
