@@ -27,6 +27,8 @@ def test_the_private_ray_apis_exist_in_the_installed_ray():
     coordinator = ray_internals.autoscaling_coordinator()
     assert isinstance(coordinator._AutoscalingCoordinatorActor.TICK_INTERVAL_S, (int, float))
     ray_internals.reload_auth_token()  # callable outside a session
+    policy = ray_internals.elastic_scaling_policy()
+    assert callable(getattr(policy, "_count_possible_workers", None))
     for path in ray_internals.IMPORTED:
         module, _, name = path.partition(":")
         assert hasattr(importlib.import_module(module), name), f"{path} is gone"

@@ -25,13 +25,19 @@ IMPORTED = (
     "ray._raylet:AuthenticationTokenLoader",
     "ray._raylet:Config",
     "ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator:_AutoscalingCoordinatorActor",
+    "ray.train.v2._internal.execution.scaling_policy:ElasticScalingPolicy",
 )
 """Every private name the functions below import (the test resolves each)."""
 
-TRAINER_PRIVATE_METHODS = ("_register_sigint_handler", "_create_default_callbacks")
-"""TorchTrainer methods elastic overrides (elastic.train.driver): its SIGINT handler
-(Ray's blocks and exits 1 without a word) and its default callbacks (the placement-group
-cleaner that needs a dashboard; the node-drain watcher)."""
+TRAINER_PRIVATE_METHODS = (
+    "_register_sigint_handler",
+    "_create_default_callbacks",
+    "_initialize_and_run_controller",
+)
+"""TorchTrainer methods elastic overrides (elastic.train.trainer): its SIGINT handler
+(Ray's blocks and exits 1 without a word), its default callbacks (the placement-group
+cleaner that needs a dashboard; the node-drain watcher) and the controller's start, whose
+``scaling_policy`` argument elastic replaces (:func:`elastic_scaling_policy`)."""
 
 
 def preemption_watcher() -> tuple[type, type, str]:
@@ -91,3 +97,14 @@ def autoscaling_coordinator() -> Any:
     from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator
 
     return default_autoscaling_coordinator
+
+
+def elastic_scaling_policy() -> type:
+    """Ray Train's elastic scaling policy: it sizes a worker group from each node's
+    resources as Ray Data's autoscaling coordinator sees them, i.e. the nodes' totals,
+    blind to what other actors hold. elastic subclasses it to leave out cordoned nodes
+    (:mod:`elastic.cluster.cordon`), overriding ``_count_possible_workers(reserved)``
+    (``{node_id: resources}`` -> workers)."""
+    from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+
+    return ElasticScalingPolicy

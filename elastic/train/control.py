@@ -76,6 +76,10 @@ class RunControl:
     def is_cordoned(self, node_id: str) -> bool:
         return node_id in self._cordoned
 
+    def cordoned_nodes(self) -> list[str]:
+        """Ray Train's scaling policy asks, to size a group without them."""
+        return sorted(self._cordoned)
+
     def status(self) -> tuple[str | None, dict[str, float] | None, list[dict[str, Any]]]:
         """What the driver polls: (a fatal error, rank 0's latest progress, the nodes
         to keep out since the last poll)."""

@@ -107,7 +107,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
         check_resources(sc, ray.nodes())
         ray.data.DataContext.get_current().enable_progress_bars = False
         control = start_control()
-        trainer = interruptible(TorchTrainer)(
+        trainer = interruptible(TorchTrainer, control)(
             train_loop,
             train_loop_config={
                 "args": WorkerArgs(

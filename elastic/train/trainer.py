@@ -10,7 +10,7 @@ import signal
 from typing import Any
 
 
-def interruptible(trainer_cls: type) -> type:
+def interruptible(trainer_cls: type, control: Any = None) -> type:
     """TorchTrainer whose fit() stops on Ctrl-C with a KeyboardInterrupt.
 
     Ray Train's own SIGINT handler blocks on the controller's abort inside the signal
@@ -18,7 +18,12 @@ def interruptible(trainer_cls: type) -> type:
     abort without waiting and raises KeyboardInterrupt: Ray is shut down on the way out
     (only registered, complete checkpoints exist) and the entry point says so, exit 130.
     A run aborted on a second stop signal raises :class:`~elastic.cluster.connect.Stopped`
-    instead (exit 75: a batch script requeues it)."""
+    instead (exit 75: a batch script requeues it).
+
+    With the run's ``control`` actor, an elastic group is sized without the nodes kept
+    out of the run (:mod:`elastic.cluster.cordon`): Ray Train's elastic policy counts
+    every live node's resources, also those a cordon holds, and would wait for a group
+    that cannot be placed."""
 
     class Trainer(trainer_cls):
         interrupted: BaseException | None = None  # what fit() raises once aborted
@@ -44,6 +49,11 @@ def interruptible(trainer_cls: type) -> type:
             # a warning every couple of seconds for the whole run (83 in a smoke run).
             # Without a dashboard it could never act anyway.
             return [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
+
+        def _initialize_and_run_controller(self, **kwargs: Any) -> Any:
+            if control is not None and self.scaling_config.elasticity_enabled:
+                kwargs["scaling_policy"] = _cordon_aware_policy(self.scaling_config, control)
+            return super()._initialize_and_run_controller(**kwargs)
 
         def fit(self) -> Any:
             import ray
@@ -104,6 +114,25 @@ def _drain_watcher() -> Any:
             )
 
     return NoRestartPreemptionCallback()
+
+
+def _cordon_aware_policy(scaling_config: Any, control: Any) -> Any:
+    """Ray Train's elastic scaling policy, leaving out the nodes ``control`` says are
+    cordoned when it counts the workers a group can have (it runs in the controller)."""
+    import ray
+
+    from elastic.cluster import ray_internals
+
+    class CordonAwareScalingPolicy(ray_internals.elastic_scaling_policy()):  # type: ignore[misc]
+        def _count_possible_workers(self, reserved_resources: Any) -> int:
+            try:
+                held = set(ray.get(control.cordoned_nodes.remote(), timeout=5))
+            except Exception:  # the run is ending: nothing to leave out
+                held = set()
+            free = {n: r for n, r in reserved_resources.items() if n not in held}
+            return int(super()._count_possible_workers(free))
+
+    return CordonAwareScalingPolicy(scaling_config)
 
 
 def _has_dashboard() -> bool:
