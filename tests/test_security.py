@@ -56,16 +56,31 @@ def _token_path(procs) -> Path:
     raise AssertionError("no gcs_server with RAY_AUTH_TOKEN_PATH among the run's processes")
 
 
-def test_a_local_run_listens_on_loopback_only_with_its_own_token(small_data, tmp_path):
-    """Nothing of an embedded local run (GCS, raylet, agents, Ray workers, torch's TCPStore,
-    gloo) accepts connections from another machine; its Ray token is its own, 0600, gone
-    at the end; ~/.ray/auth_token is left alone; nothing keeps running, no files stay in
-    /tmp; and no "E" line from Ray at start-up reads like an error."""
+def test_a_killed_runs_files_go_at_the_next_run_which_listens_on_loopback_only(
+    small_data, tmp_path
+):
+    """A run killed with kill -9 leaves its cluster's directory (and, for a minute or so,
+    Ray's agents): the next run removes both, and only those of dead runs. That next
+    run: nothing of it (GCS, raylet, agents, Ray workers, torch's TCPStore, gloo) accepts
+    connections from another machine; its Ray token is its own, 0600, gone at the end;
+    ~/.ray/auth_token is left alone; nothing keeps running, no files stay in /tmp; and no
+    "E" line from Ray at start-up reads like an error. (One test: the suite pays for
+    two runs, not three.)"""
     before = _fingerprint(RAY_TOKEN)
-    args = small_overrides(
-        small_data, tmp_path / "runs", "run.name=local", "logger=none", "trainer.max_steps=30"
-    )
-    run = Session(_cli(args, tmp_path))
+    args = small_overrides(small_data, tmp_path / "runs", "logger=none", "trainer.max_steps=30")
+    killed = Session(_cli([*args, "run.name=killed"], tmp_path))
+    killed.wait_for(lambda: "[elastic] connected to" in killed.out)
+    killed.watch()
+    leftover = Path(f"/tmp/elastic-ray-{killed.proc.pid}")
+    assert leftover.is_dir()
+    os.kill(killed.proc.pid, signal.SIGKILL)
+    killed.finish()
+
+    run = Session(_cli([*args, "run.name=local"], tmp_path))
+    run.wait_for(lambda: "[elastic] connected to" in run.out)
+    assert not leftover.exists(), "the killed run's directory is still there"
+    assert not [p.pid for p in killed.seen.values() if _alive(p)], "its processes still run"
+    assert Path(f"/tmp/elastic-ray-{run.proc.pid}").is_dir()  # a live run's is kept
     # the process group is up (gloo and the TCPStore listen from here on) once a step is done
     run.wait_for(lambda: "[elastic] step " in run.out or "[elastic] progress" in run.out)
     run.watch()
@@ -84,23 +99,3 @@ def test_a_local_run_listens_on_loopback_only_with_its_own_token(small_data, tmp
     assert _fingerprint(RAY_TOKEN) == before
     assert run.left_running() == []
     assert " E " not in run.out and "core_worker.cc" not in run.out, run.out
-
-
-def test_the_files_of_a_killed_run_are_removed_at_the_next_start(small_data, tmp_path):
-    """kill -9 of the driver leaves its cluster's directory (and, for a minute or so,
-    Ray's agents): the next run removes both, and only those of dead runs."""
-    args = small_overrides(small_data, tmp_path / "runs", "logger=none", "trainer.max_steps=2")
-    killed = Session(_cli([*args, "run.name=killed"], tmp_path))
-    killed.wait_for(lambda: "[elastic] connected to" in killed.out)
-    killed.watch()
-    leftover = Path(f"/tmp/elastic-ray-{killed.proc.pid}")
-    assert leftover.is_dir()
-    os.kill(killed.proc.pid, signal.SIGKILL)
-    killed.finish()
-
-    live = Session(_cli([*args, "run.name=next"], tmp_path))
-    live.wait_for(lambda: "[elastic] connected to" in live.out)
-    assert not leftover.exists(), "the killed run's directory is still there"
-    assert not [p.pid for p in killed.seen.values() if _alive(p)], "its processes still run"
-    assert Path(f"/tmp/elastic-ray-{live.proc.pid}").is_dir()  # a live run's is kept
-    assert live.finish() == 0, live.out

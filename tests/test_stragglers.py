@@ -158,6 +158,9 @@ def _slowed_run(tmp_path, data, name: str, *extra: str) -> tuple[Run, int, int]:
             "2 training workers", lambda: len(w := train_workers_under(run.proc.pid)) == 2 and w
         )
         slow_pid, fast_pid = workers
+        # from the first step on (slowed from its start, the worker's imports and
+        # DeepSpeed's set-up took 4x as long: time the suite pays, testing nothing)
+        run.wait_for("the first step", lambda: run.last_step() >= 1)
         slowdown.apply([slow_pid], [fast_pid])
         assert run.finish(timeout=300) == 0, run.output()
     finally:
@@ -257,6 +260,7 @@ def test_evict_drops_the_slow_node_for_its_cooldown_then_takes_it_back(tmp_path)
         slow_pid = next(p for p in pids if c.node_of_pid(p) is c.nodes[1])
         fast_pid = next(p for p in pids if p != slow_pid)
         slow_node = c.nodes[1].node_id
+        run.wait_for("the first step", lambda: run.last_step() >= 1)
         slowdown.apply([slow_pid], [fast_pid])
         evicted = run.wait_for("the eviction", lambda: run.events("evict"), timeout=240)[0]
         slowdown.stop()  # the node is fine again: only the cooldown keeps it out
