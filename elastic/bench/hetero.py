@@ -2,7 +2,9 @@
 core beside a busy-looping process), in lock-step (``stragglers.policy=report``) and
 with ``rebalance``; the ideal is the sum of each worker's samples/s measured alone (a
 1-worker run on the fast core, one on the slowed core, each with half the global
-batch). Writes bench-hetero.json."""
+batch). ``--rounds`` rounds of the four runs, the 2-worker runs alternating which goes
+first; medians and each ratio's range over the rounds, the verdict on the lowest round.
+Writes bench-hetero.json."""
 
 from __future__ import annotations
 
@@ -17,11 +19,14 @@ from elastic.cluster.localcluster import Run, Slowdown, train_workers_under
 HELP = "one worker slowed 2x: lock-step vs rebalance vs the ideal"
 REBALANCE_VS_LOCKSTEP_TARGET = 1.3  # rebalance's samples/s over lock-step's, at least
 REBALANCE_VS_IDEAL_TARGET = 0.9  # rebalance's samples/s over the ideal, at least
-# Rows a step large against the model, so that a step's compute grows with its rows:
-# with a 1024-wide MLP and 128 rows a worker, fixed costs per step (optimizer,
-# all-reduce, Python) made a half-speed worker's step hardly shorter with fewer rows
-BATCH = 2048
-ROWS = 32768
+# Rows a step large against the model, so that a step's compute grows with its rows and
+# dominates its gradient all-reduce, as on GPUs: here the slowed core slows the slowed
+# rank's side of the all-reduce too, which no split of the rows can move (at 2,048 rows
+# a step the all-reduce was ~25% of a rebalanced step, at 16,384 ~5%). With a 1024-wide
+# MLP and 128 rows a worker, fixed costs per step (optimizer, Python) made a half-speed
+# worker's step hardly shorter with fewer rows.
+BATCH = 16384
+ROWS = 131072
 MODEL = [
     "+experiment=smoke",
     "model.input_dim=64",
@@ -36,7 +41,8 @@ MODEL = [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=160)
     p.add_argument("--log-every", type=int, default=5)
 
 
@@ -53,20 +59,63 @@ def measure(args: argparse.Namespace) -> dict:
         two = [*base, "scaling.workers=2", f"data.global_batch_size={BATCH}"]
         one = [*base, "scaling.workers=1", f"data.global_batch_size={BATCH // 2}"]
         runs = {
-            "lockstep": _run(workdir, "lockstep", [*two, "stragglers.policy=report"], True),
-            "rebalance": _run(workdir, "rebalance", [*two, "stragglers.policy=rebalance"], True),
-            "alone_fast": _run(workdir, "alone-fast", one, False),
-            "alone_slow": _run(workdir, "alone-slow", one, True),
+            "lockstep": ([*two, "stragglers.policy=report"], True),
+            "rebalance": ([*two, "stragglers.policy=rebalance"], True),
+            "alone_fast": (one, False),
+            "alone_slow": (one, True),
         }
+        rounds = []
+        for r in range(args.rounds):  # alternated: each round the other 2-worker run first
+            order = list(runs) if r % 2 == 0 else ["rebalance", "lockstep", *list(runs)[2:]]
+            done = {k: _run(workdir, f"{k}-{r}", *runs[k]) for k in order}
+            rounds.append(_round(done))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    figures = ("lockstep_samples_per_s", "rebalance_samples_per_s", "ideal_samples_per_s")
+    ratios = ("rebalance_vs_lockstep", "rebalance_vs_ideal", "slowdown")
+    report = {k: statistics.median(r[k] for r in rounds) for k in (*figures, *ratios)}
+    for k in ("rebalance_vs_lockstep", "rebalance_vs_ideal"):
+        report[f"{k}_min"] = min(r[k] for r in rounds)
+        report[f"{k}_max"] = max(r[k] for r in rounds)
+    report.update(
+        {
+            "rounds": [{k: v for k, v in r.items() if k != "runs"} for r in rounds],
+            "final_rows": rounds[-1]["final_rows"],
+            "targets": {
+                "rebalance_vs_lockstep": REBALANCE_VS_LOCKSTEP_TARGET,
+                "rebalance_vs_ideal": REBALANCE_VS_IDEAL_TARGET,
+            },
+            "verdict_on": "the lowest round",
+            "runs": rounds[-1]["runs"],
+            "setup": {"model": MODEL, "global_batch": BATCH, "steps": args.steps},
+        }
+    )
+    print(
+        f"hetero ({args.rounds} rounds, medians): lock-step "
+        f"{report['lockstep_samples_per_s']:,.0f} samples/s, rebalance "
+        f"{report['rebalance_samples_per_s']:,.0f} ({report['rebalance_vs_lockstep']:.2f}x, "
+        f"rounds {report['rebalance_vs_lockstep_min']:.2f}-"
+        f"{report['rebalance_vs_lockstep_max']:.2f}, target >= "
+        f"{REBALANCE_VS_LOCKSTEP_TARGET}), ideal {report['ideal_samples_per_s']:,.0f} "
+        f"(rebalance {100 * report['rebalance_vs_ideal']:.0f}% of it, rounds "
+        f"{100 * report['rebalance_vs_ideal_min']:.0f}-"
+        f"{100 * report['rebalance_vs_ideal_max']:.0f}%, target >= "
+        f"{100 * REBALANCE_VS_IDEAL_TARGET:.0f}%); slowed worker "
+        f"{report['slowdown']:.2f}x slower alone; final rows per rank {report['final_rows']}"
+    )
+    return report
+
+
+def _round(runs: dict[str, dict]) -> dict:
+    """One round's figures from its four runs."""
     moves = runs["rebalance"]["rebalances"]
-    # both 2-worker runs over the same steps: after the rebalance run's first move (the
-    # window it takes to measure), so that the lock-step run is not judged on its start
-    after = moves[0]["step"] if moves else 0
+    # both 2-worker runs over the same steps: after the rebalance run's second move (its
+    # first move goes half the way; the second is fitted from the two windows), so that
+    # the steady state is compared, and the lock-step run is not judged on its start
+    after = moves[min(1, len(moves) - 1)]["step"] if moves else 0
     rate = {k: _rate(runs[k]["intervals"], after) for k in ("lockstep", "rebalance")}
     ideal = runs["alone_fast"]["samples_per_s"] + runs["alone_slow"]["samples_per_s"]
-    report = {
+    return {
         "lockstep_samples_per_s": rate["lockstep"],
         "rebalance_samples_per_s": rate["rebalance"],
         "ideal_samples_per_s": ideal,
@@ -75,22 +124,8 @@ def measure(args: argparse.Namespace) -> dict:
         "slowdown": runs["alone_fast"]["samples_per_s"] / runs["alone_slow"]["samples_per_s"],
         "from_step": after,
         "final_rows": moves[-1]["rows"] if moves else None,
-        "targets": {
-            "rebalance_vs_lockstep": REBALANCE_VS_LOCKSTEP_TARGET,
-            "rebalance_vs_ideal": REBALANCE_VS_IDEAL_TARGET,
-        },
         "runs": {k: {x: v for x, v in r.items() if x != "intervals"} for k, r in runs.items()},
-        "setup": {"model": MODEL, "global_batch": BATCH, "steps": args.steps},
     }
-    print(
-        f"hetero: lock-step {rate['lockstep']:,.0f} samples/s, rebalance "
-        f"{rate['rebalance']:,.0f} ({report['rebalance_vs_lockstep']:.2f}x, target >= "
-        f"{REBALANCE_VS_LOCKSTEP_TARGET}), ideal {ideal:,.0f} (rebalance "
-        f"{100 * report['rebalance_vs_ideal']:.0f}% of it, target >= "
-        f"{100 * REBALANCE_VS_IDEAL_TARGET:.0f}%); slowed worker "
-        f"{report['slowdown']:.2f}x slower alone; final rows per rank {report['final_rows']}"
-    )
-    return report
 
 
 def _run(workdir: str, label: str, overrides: list[str], slow_one: bool) -> dict:

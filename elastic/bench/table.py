@@ -32,7 +32,7 @@ QUICK = {  # --quick: fewer rounds and steps, same figures (noisier)
     "recovery": ["--rounds", "1"],
     "chaos": ["--epochs", "10"],
     "memory": ["--precision", "bf16"],
-    "hetero": ["--steps", "80"],
+    "hetero": ["--rounds", "1"],
 }
 
 
@@ -130,15 +130,19 @@ def _table_rows(results: dict) -> list[tuple[str, str, str, str, str, str]]:
             "samples/s, 2 workers, one slowed ~2x: rebalance vs lock-step",
             f"{h['rebalance_samples_per_s']:,.0f}",
             f"{h['lockstep_samples_per_s']:,.0f} (lock-step, stragglers.policy=report)",
-            f"{h['rebalance_vs_lockstep']:.2f}", f">= {t['rebalance_vs_lockstep']}",
-            _verdict(h["rebalance_vs_lockstep"] >= t["rebalance_vs_lockstep"]),
+            f"{h['rebalance_vs_lockstep']:.2f} (rounds {h['rebalance_vs_lockstep_min']:.2f}-"
+            f"{h['rebalance_vs_lockstep_max']:.2f})",
+            f">= {t['rebalance_vs_lockstep']}",
+            _verdict(h["rebalance_vs_lockstep_min"] >= t["rebalance_vs_lockstep"]),
         ))  # fmt: skip
         rows.append((
             "samples/s, the same: rebalance vs the ideal",
             f"{h['rebalance_samples_per_s']:,.0f}",
             f"{h['ideal_samples_per_s']:,.0f} (each worker's samples/s alone, summed)",
-            f"{h['rebalance_vs_ideal']:.2f}", f">= {t['rebalance_vs_ideal']}",
-            _verdict(h["rebalance_vs_ideal"] >= t["rebalance_vs_ideal"]),
+            f"{h['rebalance_vs_ideal']:.2f} (rounds {h['rebalance_vs_ideal_min']:.2f}-"
+            f"{h['rebalance_vs_ideal_max']:.2f})",
+            f">= {t['rebalance_vs_ideal']}",
+            _verdict(h["rebalance_vs_ideal_min"] >= t["rebalance_vs_ideal"]),
         ))  # fmt: skip
     if m := results.get("memory"):
         by: dict[tuple[str, int], list[dict]] = {}

@@ -2,12 +2,14 @@
 APIs only.
 
 A cordon is an actor pinned to the node (hard node affinity) that asks for all of the
-node's CPUs and GPUs. It is asked for while the node's training workers still run, so
-the node's raylet queues it; when the worker group restarts, the workers' resources go
-to the queued cordon first and the new group is placed on the other nodes (the driver
-submits it before any rank leaves). When the cooldown is over, the driver kills the
-cordon and Ray Train's resize check may take the node back. Cordons live no longer than
-the driver's Ray job: nothing outlives the run.
+node's CPUs and GPUs. It is asked for while the node's training workers still run (the
+driver submits it before any rank leaves), so the node's raylet queues it and the
+workers' resources go to it when they leave. Ray Train's elastic policy would still
+count the node (it sizes groups from the nodes' totals): the run's scaling policy leaves
+cordoned nodes out (:func:`elastic.train.trainer.interruptible`), so the restarted group
+is sized and placed without it. When the cooldown is over, the driver kills the cordon
+and Ray Train's resize check may take the node back. Cordons live no longer than the
+driver's Ray job: nothing outlives the run.
 """
 
 from __future__ import annotations
@@ -36,8 +38,22 @@ class Cordons:
         self._held: list[tuple[float, Any, dict[str, Any]]] = []  # (until, actor, request)
         self._events: list[dict[str, Any]] = []
 
+    def update(self, requests: list[dict[str, Any]]) -> None:
+        """Hold the nodes of new evictions; release those whose cooldown is over. Called
+        by the driver's control thread, which must go on whatever happens here (it also
+        relays the stop signals): a failure is a warning, and the node is not held."""
+        for request in requests:
+            try:
+                self.hold(request)
+            except Exception as e:
+                print(f"[elastic] warning: node {request['node']} not kept out: {e}", flush=True)
+        try:
+            self.release_due()
+        except Exception as e:
+            print(f"[elastic] warning: releasing kept-out nodes: {e}", flush=True)
+
     def hold(self, request: dict[str, Any]) -> None:
-        """``request``: rank 0's eviction (``node_id``, ``node``, ``cooldown_s``, ``step``)."""
+        """``request``: rank 0's eviction (``node_id``, ``node``, ``cooldown_s``)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -286,14 +286,12 @@ def _run_control(
                         control.request_stop.remote(name)
             try:
                 message, progress, evictions = ray.get(control.status.remote(), timeout=30)
-                if cordons is not None:  # evicted nodes kept out for their cooldown
-                    for request in evictions:
-                        cordons.hold(request)
-                    cordons.release_due()
             except ray.exceptions.GetTimeoutError:
                 continue  # a busy head node; ask again
             except Exception:  # the run is ending; fit() reports what happened
                 return
+            if cordons is not None:  # evicted nodes kept out for their cooldown
+                cordons.update(evictions)
             if progress and display is not None:
                 display.update(progress)
             if message:
