@@ -20,7 +20,7 @@ from conftest import FAST_POLL
 from elastic.cluster.localcluster import Run, Slowdown, train_workers_under
 from elastic.config.schema import StragglersConfig
 from elastic.observe.report import write_report
-from elastic.train.stragglers import FIGURES, StragglerWatch
+from elastic.train.stragglers import FIGURES, StragglerWatch, eviction
 
 
 def _table(compute: list[float], steps: int = 4, rows: int = 32, fixed=None) -> np.ndarray:
@@ -80,6 +80,20 @@ def test_two_workers_compare_each_with_the_other():
     assert [e["rank"] for e in events] == [1]
     _, events = watch.observe(_table([0.010]))  # one worker: nobody to compare with
     assert events == []
+
+
+def test_evict_takes_the_slowest_node_while_min_workers_and_max_evictions_allow():
+    where = [{"node_id": "A"}, {"node_id": "A"}, {"node_id": "B"}]  # ranks 0, 1 share node A
+    found = [{"rank": 0, "node": "a", "ratio": 1.4}, {"rank": 2, "node": "b", "ratio": 1.8}]
+    cfg = StragglersConfig(policy="evict", cooldown_s=30, max_evictions=2)
+    request, why = eviction(found, where, 1, 0, cfg)
+    assert why is None
+    assert (request["node_id"], request["workers"], request["cooldown_s"]) == ("B", 1, 30)
+    # node A takes both its ranks: 1 of 3 workers left, under min_workers=2
+    request, why = eviction(found[:1], where, 2, 0, cfg)
+    assert request is None and "leave 1 of 3 workers, under scaling.min_workers=2" in why
+    request, why = eviction(found, where, 1, 2, cfg)
+    assert request is None and why == "stragglers.max_evictions=2 reached"
 
 
 def _run_split(watch, cost, shares, batch=64, intervals=3, steps=4, max_rows=None, fixed=0.0):
