@@ -1,11 +1,11 @@
 """ingest: rows/s delivered into 2 Ray Train workers by elastic's pipeline as training
 reads (each rank's row groups of the epoch's plan -> Ray Data read tasks -> decode in
 map_batches -> read-ahead, kept in the worker once read when the decoded split fits
-data.cache_mb -> the rank's slice of every global batch, with the per-step all-reduce;
-no model), and streamed every epoch (a split larger than the cache), vs a torch
-DataLoader with 2 worker
-processes reading the same shards with pyarrow and the same decode functions, into one
-process. Per dataset (synthetic arrays, images, protein contact maps, CBED patterns, at
+data.cache_mb -> the rank's slice of every global batch, with the loop's agreement on
+its steps; no model), and streamed every epoch (a split larger than the cache), vs a
+torch DataLoader with 2 worker processes reading the same shards with pyarrow and the
+same decode functions, into one process. Per dataset (synthetic arrays, images, protein
+contact maps, CBED patterns, at
 scale from their synthetic generators), alternated, rounds take turns going first; the
 ratio is of the medians. Then the data-wait share of step time of each dataset's
 experiment (steady state: the log intervals after the first step). Writes
@@ -96,13 +96,15 @@ def _consume(config: dict) -> None:
     """A Ray Train worker that only takes its rows, the way the training loop does (its
     row groups of each epoch's plan read through Ray Data ahead of training, kept after
     they are read when the decoded split fits data.cache_mb, else streamed every epoch;
-    assembled into this rank's slice of every global batch, with the per-step lock-step
-    all-reduce every step does)."""
+    assembled into this rank's slice of every global batch, with the loop's lock-step
+    agreement on its steps, :class:`~elastic.train.control.SyncPace`)."""
     import ray.train
     import torch
     import torch.distributed as dist
 
-    from elastic.data.reader import PlannedReader
+    from elastic.config.schema import TrainerConfig
+    from elastic.data.reader import PlannedReader, epoch_plan
+    from elastic.train.control import SyncPace
 
     data, epochs = config["data"], config["epochs"]
     ctx = ray.train.get_context()
@@ -111,15 +113,24 @@ def _consume(config: dict) -> None:
         data, config["files"], config["layout"], rank, world, epochs=epochs, cache=config["cache"]
     )
 
-    def count(rows: int) -> int:
-        t = torch.tensor([rows], dtype=torch.int64)
+    def count(rows: int, pace: int = 0) -> tuple[int, int]:
+        t = torch.tensor([rows, pace], dtype=torch.int64)
         dist.all_reduce(t)
-        return int(t[0])
+        return int(t[0]), int(t[1])
 
-    rows, start = 0, None
+    # the loop's agreement on its steps, at the loop's pace: forced where the loop forces
+    # one (its first step, every log step at the default interval, an epoch's last)
+    log_every = TrainerConfig().log_every_steps
+    rows, start, step, unsynced = 0, None, 0, 0
+    sync = SyncPace()
     for epoch in range(epochs):
+        last = step + epoch_plan(data, config["layout"], epoch).steps
         for batch in reader.epoch(epoch):
-            count(batch.rows)
+            step, unsynced = step + 1, unsynced + batch.rows
+            if sync.due(step, forced=step == 1 or step % log_every == 0 or step == last):
+                _, paces = count(unsynced, sync.proposal())
+                sync.agreed(step, paces, world)
+                unsynced = 0
             if start is None:  # from the first rows: not Ray Train's start-up
                 start = time.perf_counter()
             else:
@@ -127,7 +138,7 @@ def _consume(config: dict) -> None:
     dist.barrier()  # the slower worker ends the measurement
     elapsed = time.perf_counter() - (start or time.perf_counter())
     reader.close()
-    total = count(rows)
+    total, _ = count(rows)
     if rank == 0:  # Ray Train 2.60 keeps only metrics reported with a checkpoint
         Path(config["out"]).write_text(
             json.dumps(

@@ -343,8 +343,8 @@ def markdown(runs: list[Run], rows: dict[str, list[dict[str, Any]]], images: lis
     lines += [
         "",
         "comm is the time in the step's collectives (the gradient reduction and the "
-        "per-step all-reduce): it holds the wait for the slowest rank. data_wait includes "
-        "the pipeline's start.",
+        "ranks' agreement on their steps): it holds the wait for the slowest rank. "
+        "data_wait includes the pipeline's start.",
         "",
         f"## Learning: time to {target or 'target (no metrics.target set)'}",
         "",

@@ -14,7 +14,7 @@ PHASES = ("data_wait", "forward", "backward", "comm", "optimizer", "checkpoint")
 """Where a worker's training time goes (``time_breakdown``, ``time/<phase>_share``):
 ``backward`` is the local backward pass, ``comm`` the time in the step's collectives
 (DeepSpeed's gradient reduction, ZeRO 1/2's gradient-norm all-reduce and parameter
-all-gather, the per-step all-reduce: :class:`~elastic.train.timing.CollectiveClock`),
+all-gather, the ranks' agreement on their steps: :class:`~elastic.train.timing.CollectiveClock`),
 which holds the wait for the slowest rank; ``other`` (in ``time_breakdown``) is the
 rest."""
 

@@ -1,7 +1,8 @@
 """Non-finite training, found at its step: a loss that is nan/inf (naming the rows),
 an update DeepSpeed skipped for inf/nan gradients, parameters no longer finite. Each rank
-notes what it saw; the per-step all-reduce (or a checkpoint's check) makes it common,
-and every rank then stops with one message built from all ranks' findings."""
+notes what it saw; the ranks' next agreement on their steps (or a checkpoint's check)
+makes it common, and every rank then stops with one message built from all ranks'
+findings."""
 
 from __future__ import annotations
 

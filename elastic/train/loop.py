@@ -37,7 +37,7 @@ from elastic.observe.tracking import NullTracker, make_tracker
 from elastic.train import checkpoint as ckpt
 from elastic.train import integrity
 from elastic.train.batch import BatchPlan
-from elastic.train.control import StopPoller, node_drain_probe, wait_for_eviction
+from elastic.train.control import StopPoller, SyncPace, node_drain_probe, wait_for_eviction
 from elastic.train.divergence import Divergence
 from elastic.train.engine import build_engine, init_distributed, set_base_lr, warm_imports
 from elastic.train.stragglers import FIGURES, Evicting, StragglerWatch, eviction
@@ -265,7 +265,7 @@ class _Trainer:
         self.cfg, self.engine, self.plan, self.state = cfg, engine, plan, state
         self.tracker, self.rank, self.world = tracker, rank, world
         # stop requests (the driver's SIGTERM/SIGUSR1) and node drains, made common to
-        # all ranks by the per-step all-reduce
+        # all ranks by their agreement on the steps (SyncPace)
         self._stop_poller = StopPoller(control if rank == 0 else None)
         self._progress = control if rank == 0 else None
         self._drain_probe = node_drain_probe()
@@ -290,7 +290,9 @@ class _Trainer:
         self._saved_step = -1  # the step of this group's last checkpoint
         self.run_dir = ""
         self._warm = False  # a log interval after the group's first step has begun
-        self._step_digest = 0  # the last step's ids_digest over all ranks
+        self._step_digest = 0  # the last agreed step's ids_digest over all ranks
+        self._pace = SyncPace()  # which steps the ranks agree on
+        self._unsynced = [0, 0]  # rows since the last agreement: this rank's, the plan's
         self._first_batch_s: float | None = None  # group start -> its first batch here
         self.data_ready_s: float | None = None  # group start -> its first batch read
         self.train_start = self.train_end = time.perf_counter()
@@ -299,7 +301,7 @@ class _Trainer:
         # this rank's log interval: [sum of per-sample losses, rows, steps]
         self._interval = torch.zeros(3, dtype=torch.float64)
         self._step_loss_sum = torch.zeros((), dtype=torch.float64)  # the last step's
-        # non-finite losses or updates, made common by the next per-step all-reduce
+        # non-finite losses or updates, made common by the ranks' next agreement
         self.divergence = Divergence()
         self._interval_start = time.perf_counter()
 
@@ -363,15 +365,36 @@ class _Trainer:
                 # the reader started with the group (before DeepSpeed, the restore)
                 self.data_ready_s = self.reader.first_batch_ready_s
                 self.data_ready_s += self.reader.started - self.startup["since"]
-        rows, self._step_digest = self._all_reduce_step(batch.rows, ids_digest(batch.sample_id))
-        # the step's all-reduce waits for the slowest rank: communication, not data
+        step = self.state.step + 1
+        self._unsynced[0] += batch.rows
+        self._unsynced[1] += batch.global_rows
+        if not self._pace.due(step, self._agreed_on(step)):
+            return batch
+        rows, digest, paces = self._all_reduce_step(
+            self._unsynced[0], ids_digest(batch.sample_id), self._pace.proposal()
+        )
+        self._pace.agreed(step, paces, self.world)
+        self._step_digest = digest
+        # the all-reduce waits for the slowest rank: communication, not data
         self.times.since("comm", t1)
-        if rows != batch.global_rows:
+        if rows != self._unsynced[1]:
             raise RuntimeError(
-                f"step {self.state.step + 1}: the ranks hold {rows} rows, the plan "
-                f"{batch.global_rows}: their plans disagree"
+                f"step {step}: the ranks hold {rows} rows since they last agreed, the plan "
+                f"{self._unsynced[1]}: their plans disagree"
             )
+        self._unsynced = [0, 0]
         return batch
+
+    def _agreed_on(self, step: int) -> bool:
+        """Steps every rank must agree on whatever the pace: those logged (their batch
+        digest), checkpointed or validated after, and an epoch's last."""
+        t, every = self.cfg.trainer, self.cfg.checkpoint.every_steps
+        return (
+            self._logs_at(step)
+            or bool(every and step % every == 0)
+            or bool(t.val_every_steps and step % t.val_every_steps == 0)
+            or step - self.state.epoch_start_step >= self.steps_per_epoch
+        )
 
     def _count_throughput(self, batch: StepBatch) -> None:
         if self.steady_start is None:
@@ -396,22 +419,24 @@ class _Trainer:
                 first_step_s=round(time.perf_counter() - self.startup["since"], 3),
             )
 
-    def _all_reduce_step(self, rows: int, digest: int = 0) -> tuple[int, int]:
-        """The step's row count and ids digest over all ranks, and (in the same
-        all-reduce) whether any rank has seen a stop request, a node drain or a
-        non-finite value."""
+    def _all_reduce_step(self, rows: int, digest: int = 0, pace: int = 0) -> tuple[int, int, int]:
+        """Row counts, ids digests and :class:`SyncPace` proposals summed over all
+        ranks, and (in the same all-reduce) whether any rank has seen a stop request, a
+        node drain or a non-finite value."""
         stop = self._stop_poller.poll() is not None
         drain = self._drain_probe()
         bad = self.divergence.pending
         t = torch.tensor(
-            [rows, stop, drain, bad, digest], dtype=torch.int64, device=self._collective_device
+            [rows, stop, drain, bad, digest, pace],
+            dtype=torch.int64,
+            device=self._collective_device,
         )
         dist.all_reduce(t)
         if t[3]:
             self.divergence.stop(self.world, self.cfg.data.path, self.cfg.optim.lr)
         self._stop_requested = self._stop_requested or bool(t[1])
         self._drain_pending = bool(t[2])
-        return int(t[0]), int(t[4])
+        return int(t[0]), int(t[4]), int(t[5])
 
     def _after_step_signals(self) -> None:
         """A stop request checkpoints and ends the run (resumable: a requeue); a node
@@ -519,10 +544,14 @@ class _Trainer:
     def _losses(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return per_sample_loss(self.task, output, target, self.classes, self.beta)
 
+    def _logs_at(self, step: int) -> bool:
+        t = self.cfg.trainer
+        last = (t.max_steps > 0 and step >= t.max_steps) or step == t.stop_at_step
+        return last or step == 1 or step % t.log_every_steps == 0
+
     def _maybe_log(self) -> None:
-        s, t = self.state, self.cfg.trainer
-        last = (t.max_steps > 0 and s.step >= t.max_steps) or s.step == t.stop_at_step
-        if s.step % t.log_every_steps and not last and s.step != 1:
+        s = self.state
+        if not self._logs_at(s.step):
             return
         now = time.perf_counter()
         elapsed = now - self._interval_start
