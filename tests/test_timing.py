@@ -101,3 +101,36 @@ def test_a_slow_rank_is_waited_for_in_comm_not_in_the_fast_ranks_own_work(tmp_pa
     assert own < 0.25 * burned, fast
     # rank 1's extra work was outside its phases: it did not wait for anyone
     assert slow["seconds"]["comm"] < 0.25 * burned, slow
+
+
+def test_the_ranks_agree_on_every_step_at_first_then_at_their_pace():
+    """Every rank computes the same steps from the same sums: every step until the step
+    times are known, then about SYNC_PERIOD_S apart (at most SYNC_MAX_STEPS), and always
+    on the steps the caller forces (log, checkpoint, validation, an epoch's last)."""
+    from elastic.train.control import SYNC_MAX_STEPS, SyncPace
+
+    def agreed_steps(pace, steps, proposals, forced=()):
+        out = []
+        for s in steps:
+            if pace.due(s, forced=s in forced):
+                pace.agreed(s, proposals, world=2)
+                out.append(s)
+        return out
+
+    pace = SyncPace()
+    assert agreed_steps(pace, [1], 2 * 8) == [1]  # the first step: nothing known yet
+    # both ranks propose 8 steps (the mean is taken); a forced step restarts the count
+    assert agreed_steps(pace, range(2, 30), 2 * 8, forced={12}) == [9, 12, 20, 28]
+    # the next agreement (36) sets a new pace: a mean of 2.5, rounded down for both
+    assert agreed_steps(pace, range(29, 45), 1 + 4) == [36, 38, 40, 42, 44]
+    agreed_steps(pace, [46], 10_000)
+    assert pace.every == SYNC_MAX_STEPS
+    # a rank's proposal: steps in a period at its step time, within [1, SYNC_MAX_STEPS]
+    fast = SyncPace()
+    for s in range(1, 100):
+        fast.due(s)
+    assert fast.proposal() == SYNC_MAX_STEPS
+    slow = SyncPace()
+    slow.due(1)
+    slow._since -= 10.0  # one step of 10 s
+    assert slow.proposal() == 1
