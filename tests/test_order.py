@@ -152,7 +152,7 @@ def _groups(p: EpochPlan, reads):
 
 @pytest.mark.parametrize("world,from_step", [(1, 0), (3, 0), (3, 6), (8, 14)])
 def test_a_rank_assembles_its_slices_from_the_row_groups_it_reads(world, from_step):
-    from elastic.data.order import SliceAssembler
+    from elastic.data.assemble import SliceAssembler
 
     p = plan(lanes=8, window=40)
     for rank in range(world):
@@ -173,7 +173,8 @@ def test_a_weighted_split_trains_the_same_rows_in_proportion_to_the_shares(share
     """Rebalancing (stragglers.policy=rebalance) moves rows between ranks, never out of
     the step: the slices in rank order are the global batch, each rank's as large as
     its share of it (within a row)."""
-    from elastic.data.order import SliceAssembler, slice_sizes
+    from elastic.data.assemble import SliceAssembler
+    from elastic.data.order import slice_sizes
 
     p, world = plan(lanes=8, window=40), len(shares)
     for step in range(p.steps):
@@ -210,7 +211,7 @@ def test_slices_computed_a_block_of_steps_at_a_time_are_each_steps_slice(world, 
 
 
 def test_blocks_that_do_not_match_the_plan_are_refused():
-    from elastic.data.order import SliceAssembler
+    from elastic.data.assemble import SliceAssembler
 
     p = plan(lanes=8)
     reads = p.reads(0, 1)
@@ -225,20 +226,25 @@ def test_blocks_that_do_not_match_the_plan_are_refused():
         list(SliceAssembler(p, 0, 1).steps(iter(short)))
 
 
-@pytest.mark.parametrize("from_step", [0, 3])
-def test_ray_data_reads_a_ranks_row_groups_into_its_slices(tmp_path, ray_session, from_step):
+@pytest.mark.parametrize("from_step,cache", [(0, False), (3, True)])
+def test_ray_data_reads_a_ranks_row_groups_into_its_slices(
+    tmp_path, ray_session, monkeypatch, from_step, cache
+):
     """The real read path: each rank's row groups of real Parquet shards through Ray Data
-    (one read task a group, decoded by the format's decoder, read ahead in the reader's
-    thread), assembled into its slices: the sample ids and inputs the plan names, read
-    back independently with pyarrow."""
+    (read tasks of consecutive groups, decoded by the format's decoder, read ahead in the
+    reader's thread, two epochs to an execution: three epochs cross a chain's end), kept
+    after the first read where the split is cached, assembled into its slices: the
+    sample ids and inputs the plan names, read back independently with pyarrow."""
     import numpy as np
     import pyarrow.parquet as pq
 
     from elastic.config.schema import DataConfig
+    from elastic.data import reader as reader_module
     from elastic.data.reader import PlannedReader, epoch_plan
     from elastic.data.shards import check_dataset
     from elastic.datasets.synthetic import generate
 
+    monkeypatch.setattr(reader_module, "CHAIN_EPOCHS", 2)
     generate(str(tmp_path / "train"), None, 700, 0, 4, 8, 2, seed=5)
     for path in (tmp_path / "train").glob("*.parquet"):
         pq.write_table(pq.read_table(path), path, row_group_size=60)
@@ -248,7 +254,6 @@ def test_ray_data_reads_a_ranks_row_groups_into_its_slices(tmp_path, ray_session
     split = check_dataset(cfg)["train"]
     layout = Layout(split.row_groups)
     assert layout == Layout.of_files(split.files)
-    p = epoch_plan(cfg, layout, epoch=2)
     tables = [pq.ParquetFile(f) for f in split.files]
 
     def truth(f: int, g: int, r: int) -> tuple[int, list[float]]:
@@ -257,13 +262,23 @@ def test_ray_data_reads_a_ranks_row_groups_into_its_slices(tmp_path, ray_session
 
     for rank in range(2):
         reader = PlannedReader(
-            cfg, split.files, layout, rank, 2, first_epoch=2, first_step=from_step, epochs=1
+            cfg,
+            split.files,
+            layout,
+            rank,
+            2,
+            first_epoch=2,
+            first_step=from_step,
+            epochs=3,
+            cache=cache,
         )
-        got = list(reader.epoch(2, from_step))
-        assert len(got) == p.steps - from_step
-        for step, batch in enumerate(got, start=from_step):
-            want = [truth(*row) for row in p.slice(step, rank, 2)]
-            assert batch.sample_id.tolist() == [i for i, _ in want], (rank, step)
-            np.testing.assert_array_equal(batch.x, np.array([x for _, x in want], np.float32))
-            assert batch.global_rows == len(p.batch(step))
+        for epoch, first in ((2, from_step), (3, 0), (4, 0)):
+            p = epoch_plan(cfg, layout, epoch)
+            got = list(reader.epoch(epoch, first))
+            assert len(got) == p.steps - first
+            for step, batch in enumerate(got, start=first):
+                want = [truth(*row) for row in p.slice(step, rank, 2)]
+                assert batch.sample_id.tolist() == [i for i, _ in want], (rank, epoch, step)
+                np.testing.assert_array_equal(batch.x, np.array([x for _, x in want], np.float32))
+                assert batch.global_rows == len(p.batch(step))
         reader.close()

@@ -73,6 +73,13 @@ def _table_rows(results: dict) -> list[tuple[str, str, str, str, str, str]]:
             f">= {ingest.STREAMED_RATIO_TARGET}",
             _verdict(d["ratio_streamed"] >= ingest.STREAMED_RATIO_TARGET),
         ))  # fmt: skip
+        if d.get("ratio_streamed_later") is not None:
+            rows.append((
+                f"ingest {name}, streamed, after the first epoch (Ray Data's start behind)",
+                f"{d['elastic_streamed_later_rows_per_s']:,.0f}",
+                f"{d['dataloader_later_rows_per_s']:,.0f} (DataLoader, after its first epoch)",
+                f"{d['ratio_streamed_later']:.2f}", "", "n/a",
+            ))  # fmt: skip
         steady = d["data_wait"]["steady"]
         rows.append((
             f"data wait, {d['experiment']} (steady state)",

@@ -33,7 +33,7 @@ file order; inside the plan by its *position* in the epoch's row order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -118,6 +118,7 @@ class EpochPlan:
         # lanes as long as their quotas make them: every lane runs out at the same step
         ends = np.cumsum(np.r_[0, self._quota]) * self.rows // self.global_batch
         self._lane_start, self._lane_size = ends[:-1], np.diff(ends)
+        self._full = int((self._lane_size // self._quota).min())
 
     # -- the epoch's shape ------------------------------------------------------------
     @property
@@ -140,6 +141,8 @@ class EpochPlan:
 
     def global_rows(self, step: int) -> int:
         """Rows of global batch ``step`` (the global batch, less at the epoch's tail)."""
+        if step < self._full:
+            return self.global_batch
         left = np.clip(self._lane_size - step * self._quota, 0, self._quota)
         return int(left.sum())
 
@@ -147,7 +150,7 @@ class EpochPlan:
     @property
     def full_steps(self) -> int:
         """Steps in which every lane gives its whole quota (all but the epoch's tail)."""
-        return int((self._lane_size // self._quota).min())
+        return self._full
 
     def _counts(self, step: int) -> np.ndarray:
         return np.clip(self._lane_size - step * self._quota, 0, self._quota)
@@ -190,8 +193,18 @@ class EpochPlan:
         self, rank: int, world: Split, from_step: int = 0, block: int = 1024
     ) -> Iterator[tuple[int, np.ndarray]]:
         """``(step, slice_positions(step, rank, world))`` for every step from
-        ``from_step`` to the epoch's end, the full steps computed ``block`` at a time
-        (their slices take the same lane sub-ranges every step)."""
+        ``from_step`` to the epoch's end (from :meth:`slice_tables`)."""
+        for first, table in self.slice_tables(rank, world, from_step, block):
+            for i, row in enumerate(table):
+                yield first + i, row
+
+    def slice_tables(
+        self, rank: int, world: Split, from_step: int = 0, block: int = 1024
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """Rank ``rank``'s slices from ``from_step`` to the epoch's end as tables
+        ``(first step, positions[steps, rows])``: the full steps ``block`` at a time
+        (their slices take the same lane sub-ranges every step, so they are computed
+        together), then each tail step alone."""
         full = self.full_steps
         for lo in range(from_step, full, block):
             hi = min(full, lo + block)
@@ -201,11 +214,9 @@ class EpochPlan:
                 q = self.quota(c)
                 rows = at * q + np.arange(first - lo * q, last - lo * q, dtype=np.int64)
                 cols.append(self.positions_of(c, rows.reshape(-1)).reshape(len(at), -1))
-            table = np.concatenate(cols, axis=1) if cols else np.zeros((len(at), 0), np.int64)
-            for i, step in enumerate(range(lo, hi)):
-                yield step, table[i]
+            yield lo, np.concatenate(cols, axis=1) if cols else np.zeros((len(at), 0), np.int64)
         for step in range(max(from_step, full), self.steps):
-            yield step, self.slice_positions(step, rank, world)
+            yield step, self.slice_positions(step, rank, world)[None, :]
 
     def _spans(self, rank: int, world: Split, from_step: int) -> list[tuple[int, range, int, int]]:
         """What rank ``rank`` trains from ``from_step`` to the epoch's end, as
@@ -321,80 +332,3 @@ class EpochPlan:
         k, _ = self.locate(np.concatenate(parts))
         counts = np.bincount(k, minlength=len(self._order))
         return {self.group(int(i)): int(counts[i]) for i in np.flatnonzero(counts)}
-
-
-# -- worker side ----------------------------------------------------------------------
-GROUP_COLUMNS = ("__file", "__group")  # which row group a decoded block's rows come from
-
-
-class SliceAssembler:
-    """Decoded row groups in, this rank's slice of each global batch out.
-
-    Groups arrive whole, as ``(file, group, columns)``, in the order of
-    :meth:`EpochPlan.reads`. :meth:`steps` yields ``(step, batch)`` from ``from_step`` to
-    the end of the epoch, each batch the rows of :meth:`EpochPlan.slice` in that order
-    (``{}`` where this rank has none at that step: the epoch's tail), and drops a group
-    once this rank has trained all of its rows that it owns."""
-
-    def __init__(self, plan: EpochPlan, rank: int, world: Split, from_step: int = 0) -> None:
-        self.plan, self.rank, self.world, self.from_step = plan, rank, world, from_step
-        self._left = plan.rows_left(rank, world, from_step)
-        self._groups: dict[Group, dict[str, np.ndarray]] = {}
-        self._seen: set[Group] = set()
-
-    @property
-    def held_groups(self) -> int:
-        """Row groups in memory now (decoded, not yet fully trained)."""
-        return len(self._groups)
-
-    def steps(
-        self, groups: Iterable[tuple[int, int, dict[str, np.ndarray]]]
-    ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-        source = iter(groups)
-        plan = self.plan
-        for step, positions in plan.slices(self.rank, self.world, self.from_step):
-            k, r = plan.locate(positions)
-            distinct, inverse, counts = np.unique(k, return_inverse=True, return_counts=True)
-            wanted = [plan.group(int(i)) for i in distinct]
-            for fg in wanted:
-                while fg not in self._groups:
-                    self._take(next(source, None), fg)
-            yield step, self._gather(wanted, inverse, r)
-            for fg, n in zip(wanted, counts, strict=True):
-                self._left[fg] -= int(n)
-                if not self._left[fg]:
-                    del self._groups[fg]
-
-    def _take(self, item: tuple[int, int, dict[str, np.ndarray]] | None, waiting: Group) -> None:
-        if item is None:
-            raise ValueError(
-                f"the data ended before row group {waiting[1]} of file {waiting[0]} came: "
-                "the read plan and the groups read disagree"
-            )
-        f, g, columns = item
-        if (f, g) in self._seen:
-            raise ValueError(f"row group {g} of file {f} was read twice: the plan reads it once")
-        self._seen.add((f, g))
-        have = len(next(iter(columns.values())))
-        expected = self.plan.layout.rows[f][g]
-        if have != expected:
-            raise ValueError(
-                f"row group {g} of file {f}: {have} rows read, {expected} planned (the shard "
-                "changed while the run was reading it)"
-            )
-        if self._left.get((f, g)):  # else read only for rows of windows trained before
-            self._groups[(f, g)] = columns
-
-    def _gather(
-        self, wanted: list[Group], inverse: np.ndarray, rows: np.ndarray
-    ) -> dict[str, np.ndarray]:
-        if not len(rows):
-            return {}
-        first = self._groups[wanted[0]]
-        out = {k: np.empty((len(rows), *v.shape[1:]), v.dtype) for k, v in first.items()}
-        for i, fg in enumerate(wanted):
-            at = np.flatnonzero(inverse == i)
-            group = self._groups[fg]
-            for key in out:
-                out[key][at] = group[key][rows[at]]
-        return out

@@ -2,11 +2,12 @@
 
 Every global batch is fixed by the plan (:mod:`elastic.data.order`); a rank knows from
 the Parquet footers which row groups its slices need and in which order, from any step
-on. :class:`PlannedReader` reads exactly those (Ray Data read tasks of ~8 MB of
-consecutive row groups, decoded by the format's decoder) in a
-background thread, into a buffer bounded by ``data.prefetch_mb``, and goes on to the
-next epoch's groups as soon as the current epoch's are read, so an epoch's start overlaps
-with the tail of the one before. It reads at most one epoch ahead of training.
+on. :class:`PlannedReader` reads exactly those (Ray Data read tasks of consecutive
+row groups, 4 MB growing to 32 MB, decoded by the format's decoder; one execution for
+up to :data:`CHAIN_EPOCHS` epochs) in a background thread, into a buffer bounded by
+``data.prefetch_mb``, and goes on to the next epoch's groups as soon as the current
+epoch's are read, so an epoch's start overlaps with the tail of the one before. It
+reads at most one epoch ahead of training (Ray Data holds up to two blocks more).
 
 A split whose decoded rows fit ``data.cache_mb`` is kept: every row group is decoded once
 per worker and later epochs take what this worker already holds from memory, reading
@@ -20,12 +21,14 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from elastic.config.schema import DataConfig
-from elastic.data.order import GROUP_COLUMNS, EpochPlan, Group, Layout, SliceAssembler, Split
+from elastic.data.assemble import SliceAssembler
+from elastic.data.order import EpochPlan, Group, Layout, Split
 from elastic.data.stream import StepBatch
 from elastic.errors import DataError
 
@@ -104,63 +107,21 @@ def setting_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 
 _EPOCH_END = object()
-_DONE = object()
+CHAIN_EPOCHS = 4
+"""Epochs a reader reads through one Ray Data execution."""
 
 
-class _RayStream:
-    """A Ray Data iterator of decoded blocks, iterated by a thread of its own from now on
-    (Ray Data starts its execution at the first ``next``), ``depth`` blocks ahead; its
-    failure is raised to the reader. :meth:`pieces` cuts the blocks into their row
-    groups' runs (by the GROUP_COLUMNS tags), in order. Once closed, both ends give up
-    within half a second and the iterator is closed (Ray Data then ends its
-    execution)."""
+@dataclass
+class _EpochReads:
+    """One epoch of a reader's chain: every group it needs in order (``reads``), those
+    of its first step (``first``), those read in the worker (``local``) and those
+    streamed through Ray Data (``streamed``, in order)."""
 
-    def __init__(self, items: Any, depth: int = 2) -> None:
-        self._items, self._stop = items, threading.Event()
-        self._out: queue.Queue[Any] = queue.Queue(maxsize=depth)
-        threading.Thread(target=self._run, name="elastic-ray-data", daemon=True).start()
-
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._out.put(item, timeout=0.5)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _run(self) -> None:
-        items = self._items
-        try:
-            for item in items:
-                if not self._put(item):
-                    break
-            else:
-                self._put(_DONE)
-        except BaseException as e:
-            self._put(e)
-        finally:
-            if callable(close := getattr(items, "close", None)):
-                close()
-
-    def close(self) -> None:
-        self._stop.set()
-
-    def pieces(self) -> Iterator[tuple[Group, Columns]]:
-        while not self._stop.is_set():
-            try:
-                block = self._out.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if block is _DONE:
-                return
-            if isinstance(block, BaseException):
-                raise block
-            f, g = block[GROUP_COLUMNS[0]], block[GROUP_COLUMNS[1]]
-            cuts = np.flatnonzero((f[1:] != f[:-1]) | (g[1:] != g[:-1])) + 1
-            for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(f)], strict=True):
-                columns = {k: v[a:b] for k, v in block.items() if k not in GROUP_COLUMNS}
-                yield (int(f[a]), int(g[a])), columns
+    epoch: int
+    reads: list[Group]
+    first: set[Group]
+    local: set[Group]
+    streamed: list[Group]
 
 
 class PlannedReader:
@@ -202,7 +163,7 @@ class PlannedReader:
         self._bytes = 0
         self._cond = threading.Condition()
         self._stop = False
-        self._stream_now: _RayStream | None = None  # the epoch's; closed with the reader
+        self._stream_now: Any = None  # the chain's; closed with the reader
         self._consuming = first_epoch - 1  # the epoch training is in
         self.started = time.perf_counter()
         # start -> every row group of the first step read and decoded here
@@ -215,46 +176,72 @@ class PlannedReader:
         try:
             epoch, step = self._next
             while not self._stop and (self._end is None or epoch < self._end):
-                with self._cond:
-                    while epoch > self._consuming + 1 and not self._stop:
-                        self._cond.wait(timeout=1.0)
-                plan = epoch_plan(self.cfg, self.layout, epoch)
-                first: set[Group] = set()
-                if self.first_batch_ready_s is None and step < plan.steps:
-                    k, _ = plan.locate(plan.slice_positions(step, self.rank, self.world))
-                    first = {plan.group(int(i)) for i in set(k.tolist())}
-                self._read_epoch(plan.reads(self.rank, self.world, step), first)
-                self._queue.put(_EPOCH_END)
-                epoch, step = epoch + 1, 0
+                parts = self._plan_chain(epoch, step)
+                self._read_chain(parts)
+                epoch, step = parts[-1].epoch + 1, 0
         except BaseException as e:  # surface the reader's failure in the training thread
             if not self._stop:  # once closed, a read cut short is no failure
                 self._queue.put(e)
 
-    def _read_epoch(self, reads: list[Group], first: set[Group]) -> None:
-        """Read ``reads`` in order, from this worker's cache where it holds them; note
-        when the groups of ``first`` (the first step's, at the group's start) are in.
+    def _plan_chain(self, epoch: int, step: int) -> list[_EpochReads]:
+        """What to read of up to :data:`CHAIN_EPOCHS` epochs from (``epoch``, ``step``):
+        one Ray Data execution reads them all (an execution's start costs ~0.1 s and the
+        epoch's first rows waited for it: ~0.25 s of a rank's 0.3-0.4 s epoch of the
+        synthetic bench data). Where the split is cached, an epoch streams only the groups
+        no earlier epoch read."""
+        held = set() if self._cache is None else set(self._cache)
+        last = epoch + CHAIN_EPOCHS if self._end is None else min(self._end, epoch + CHAIN_EPOCHS)
+        parts = []
+        for e in range(epoch, last):
+            plan = epoch_plan(self.cfg, self.layout, e)
+            from_step = step if e == epoch else 0
+            reads = plan.reads(self.rank, self.world, from_step)
+            first: set[Group] = set()
+            if e == epoch and self.first_batch_ready_s is None and from_step < plan.steps:
+                k, _ = plan.locate(plan.slice_positions(from_step, self.rank, self.world))
+                first = {plan.group(int(i)) for i in set(k.tolist())}
+            fresh = [fg for fg in reads if fg not in held]
+            if self._cache is not None:
+                held.update(fresh)
+            streamed = [fg for fg in fresh if fg not in first]
+            parts.append(_EpochReads(e, reads, first, set(fresh) & first, streamed))
+        return parts
 
-        Those few are read here, with pyarrow and the same decoder, while Ray Data's
-        execution for the rest starts: a worker group's first Ray Data execution starts
-        its task processes, ~5 s here on a fresh cluster and ~1 s on a warm one (the
-        training loop would wait that long at every restart). (Reading more here until
-        Ray Data's first block came was tried: Ray Data then read those groups as well,
-        and on 2 cores the later epochs took 2-6x as long.)"""
-        cache = self._cache
-        fresh = [fg for fg in reads if cache is None or fg not in cache]
-        local = {fg for fg in fresh if fg in first}
-        stream = self._stream([fg for fg in fresh if fg not in local])
+    def _read_chain(self, parts: list[_EpochReads]) -> None:
+        """Read the epochs ``parts`` in order through one Ray Data execution (their
+        streamed groups), each epoch once training is in the one before."""
+        stream = self._stream([fg for part in parts for fg in part.streamed])
+        pieces = stream.pieces() if stream is not None else iter(())
         try:
-            self._read_groups(reads, first, local, stream)
-        finally:  # its execution ends with the epoch's reads (or the reader)
+            for part in parts:
+                with self._cond:
+                    while part.epoch > self._consuming + 1 and not self._stop:
+                        self._cond.wait(timeout=1.0)
+                if self._stop:
+                    return
+                self._read_groups(part.reads, part.first, part.local, pieces)
+                self._queue.put(_EPOCH_END)
+        finally:  # its execution ends with the chain's reads (or the reader)
             if stream is not None:
                 stream.close()
 
     def _read_groups(
-        self, reads: list[Group], first: set[Group], local: set[Group], stream: _RayStream | None
+        self,
+        reads: list[Group],
+        first: set[Group],
+        local: set[Group],
+        pieces: Iterator[tuple[Group, Columns]],
     ) -> None:
+        """Read ``reads`` in order, from this worker's cache where it holds them; note
+        when the groups of ``first`` (the first step's, at the group's start) are in.
+
+        Those of ``local`` (the first step's) are read here, with pyarrow and the same
+        decoder, while Ray Data's execution for the rest starts: a worker group's first
+        Ray Data execution starts its task processes, ~5 s here on a fresh cluster and
+        ~1 s on a warm one (the training loop would wait that long at every restart).
+        (Reading more here until Ray Data's first block came was tried: Ray Data then
+        read those groups as well, and on 2 cores the later epochs took 2-6x as long.)"""
         cache = self._cache
-        pieces = stream.pieces() if stream is not None else iter(())
         for fg in reads:
             first.discard(fg)
             if cache is not None and fg in cache:
@@ -294,14 +281,15 @@ class PlannedReader:
             self._bytes += size
         self._queue.put((fg, columns, size))
 
-    def _stream(self, reads: list[Group]) -> _RayStream | None:
+    def _stream(self, reads: list[Group]) -> Any:
+        """A :class:`~elastic.data.pipeline.RayStream` of ``reads`` (None: nothing to read)."""
         if not reads:
             return None
         import logging
 
         import ray.data
 
-        from elastic.data.pipeline import planned_dataset
+        from elastic.data.pipeline import RayStream, planned_dataset
 
         # a worker starts a Ray Data execution every epoch: keep its log to what matters
         ctx = ray.data.DataContext.get_current()
@@ -309,7 +297,7 @@ class PlannedReader:
         logging.getLogger("ray.data").setLevel(logging.WARNING)
         ds = planned_dataset(self.cfg, self.files, reads)
         batches = ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2)
-        self._stream_now = _RayStream(batches)
+        self._stream_now = RayStream(batches)
         return self._stream_now
 
     def _assemble(self, pieces: Iterator[tuple[Group, Columns]], fg: Group) -> Columns:
