@@ -31,15 +31,20 @@ def decoded_bytes(cfg: DataConfig, split: Split) -> int:
     """What ``split`` takes in memory decoded (what a cache holds, several times its
     Parquet size for packed contact maps or compressed images): the decoder's output for
     the first rows of a shard, per row, times the split's rows."""
-    decode, kwargs = decoder(cfg, split.files[0])
-    for f in split.files:
+    return int(decoded_row_bytes(cfg, split.files) * split.rows)
+
+
+def decoded_row_bytes(cfg: DataConfig, files: list[str]) -> float:
+    """Bytes of a decoded row: the decoder's output for the first (up to 16) rows of the
+    first shard of ``files`` that has rows, per row (0.0 when none has)."""
+    decode, kwargs = decoder(cfg, files[0])
+    for f in files:
         pf = pq.ParquetFile(f)
         for batch in pf.iter_batches(batch_size=16, columns=read_columns(cfg, pf.schema_arrow)):
             if batch.num_rows:
                 out = decode(pa.Table.from_batches([batch]), **kwargs)
-                per_row = sum(v.nbytes for v in out.values()) / batch.num_rows
-                return int(per_row * split.rows)
-    return 0  # no rows at all
+                return sum(v.nbytes for v in out.values()) / batch.num_rows
+    return 0.0
 
 
 def fits_cache(cfg: DataConfig, split: Split) -> bool:
@@ -71,7 +76,7 @@ def planned_dataset(cfg: DataConfig, files: list[str], reads: list[tuple[int, in
     from ray.data import ExecutionOptions
 
     columns = read_columns(cfg, pq.read_schema(files[0]))
-    source = _row_group_source(files, reads, columns)
+    source = _row_group_source(files, reads, columns, decoded_row_bytes(cfg, files))
     ds = ray.data.read_datasource(source, override_num_blocks=max(1, source.tasks))
     ds.context.execution_options = ExecutionOptions(preserve_order=True)
     decode, kwargs = decoder(cfg, files[0])
@@ -96,21 +101,26 @@ FIRST_TASK_BYTES = 4 * 2**20
 first rows come soon after an execution starts)."""
 
 
-def _row_group_source(files: list[str], reads: list[tuple[int, int]], columns: list[str]) -> Any:
+def _row_group_source(
+    files: list[str], reads: list[tuple[int, int]], columns: list[str], row_bytes: float = 0.0
+) -> Any:
     """A Ray Data datasource of the row groups ``reads``, in order, a read task each run
     of consecutive groups, the first about :data:`FIRST_TASK_BYTES`, each next twice the
-    last up to :data:`TASK_BYTES`; a task's groups come as one block."""
+    last up to :data:`TASK_BYTES`, a group counted by its Parquet size or its rows decoded
+    (``row_bytes`` each), whichever is more: a task's groups come as one block, decoded
+    (contact maps grow ~30x)."""
     from ray.data.block import BlockMetadata
     from ray.data.datasource import Datasource, ReadTask
 
     footers = {f: pq.read_metadata(files[f]) for f in {f for f, _ in reads}}
     runs: list[list[tuple[int, int]]] = []
-    size, cap = 0, FIRST_TASK_BYTES // 2
+    size, cap = 0.0, FIRST_TASK_BYTES // 2
     for f, g in reads:
-        nbytes = footers[f].row_group(g).total_byte_size
+        meta = footers[f].row_group(g)
+        nbytes = max(meta.total_byte_size, meta.num_rows * row_bytes)
         if not runs or size + nbytes > cap:
             runs.append([])
-            size, cap = 0, min(2 * cap, TASK_BYTES)
+            size, cap = 0.0, min(2 * cap, TASK_BYTES)
         runs[-1].append((f, g))
         size += nbytes
 

@@ -219,32 +219,30 @@ class PlannedReader:
                         self._cond.wait(timeout=1.0)
                 if self._stop:
                     return
-                self._read_groups(part.reads, part.first, part.local, pieces)
+                self._read_groups(part, pieces)
                 self._queue.put(_EPOCH_END)
         finally:  # its execution ends with the chain's reads (or the reader)
             if stream is not None:
                 stream.close()
 
-    def _read_groups(
-        self,
-        reads: list[Group],
-        first: set[Group],
-        local: set[Group],
-        pieces: Iterator[tuple[Group, Columns]],
-    ) -> None:
-        """Read ``reads`` in order, from this worker's cache where it holds them; note
-        when the groups of ``first`` (the first step's, at the group's start) are in.
+    def _read_groups(self, part: _EpochReads, pieces: Iterator[tuple[Group, Columns]]) -> None:
+        """Read ``part.reads`` in order: from this worker's cache where the plan found a
+        group there (``part`` neither streams it nor reads it here; what the plan chose
+        decides, not what the cache holds by now), from the stream ``pieces``, or here;
+        note when the groups of ``part.first`` (the first step's, at the group's start)
+        are in.
 
-        Those of ``local`` (the first step's) are read here, with pyarrow and the same
+        Those of ``part.local`` (the first step's) are read here, with pyarrow and the same
         decoder, while Ray Data's execution for the rest starts: a worker group's first
         Ray Data execution starts its task processes, ~5 s here on a fresh cluster and
         ~1 s on a warm one (the training loop would wait that long at every restart).
         (Reading more here until Ray Data's first block came was tried: Ray Data then
         read those groups as well, and on 2 cores the later epochs took 2-6x as long.)"""
-        cache = self._cache
-        for fg in reads:
+        cache, first, local = self._cache, part.first, part.local
+        streamed = set(part.streamed)
+        for fg in part.reads:
             first.discard(fg)
-            if cache is not None and fg in cache:
+            if cache is not None and fg not in local and fg not in streamed:
                 self._put(fg, cache[fg], 0)
                 continue
             columns = self._read_here(fg) if fg in local else self._assemble(pieces, fg)
