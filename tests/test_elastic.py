@@ -135,7 +135,9 @@ def _assert_one_wandb_run(summary: dict, starts: int) -> None:
     assert [w for i, w in enumerate(sizes) if i == 0 or sizes[i - 1] != w] == [2, 1, 2]
     assert sum(1 for row in rows if "event/restart" in row) == 3
     assert sum(1 for row in rows if "event/resume" in row) == 3
-    alerts = [a for r in runs for a in _alerts(r)]
+    # restart alerts; a straggler alert may come too where the machine is busy (a rank
+    # 1.3x slower for a window: stragglers.policy=report, the default)
+    alerts = [a for r in runs for a in _alerts(r) if not a.title.endswith(": straggler")]
     assert [a.title for a in alerts] == ["shrink-grow: restart"] * 3
     causes = ["cause=failure", "cause=shrink", "cause=grow"]
     assert all(c in a.text for c, a in zip(causes, alerts, strict=True))

@@ -282,3 +282,29 @@ def test_ray_data_reads_a_ranks_row_groups_into_its_slices(
                 np.testing.assert_array_equal(batch.x, np.array([x for _, x in want], np.float32))
                 assert batch.global_rows == len(p.batch(step))
         reader.close()
+
+
+def test_a_group_read_twice_in_a_row_comes_as_two_reads(tmp_path, ray_session):
+    """One Ray Data execution reads several epochs: a row group read at one epoch's end
+    and again at the next one's start, in one block, comes out as two whole reads (not
+    as one of twice its rows, which the reader would take for a changed shard)."""
+    import pyarrow.parquet as pq
+
+    from elastic.config.schema import DataConfig
+    from elastic.data.pipeline import RayStream, planned_dataset
+    from elastic.data.shards import check_dataset
+    from elastic.datasets.synthetic import generate
+
+    generate(str(tmp_path / "train"), None, 200, 0, 1, 8, 2, seed=5)
+    (path,) = (tmp_path / "train").glob("*.parquet")
+    pq.write_table(pq.read_table(path), path, row_group_size=60)
+    cfg = DataConfig(path=str(tmp_path / "train"), global_batch_size=8, lanes=1)
+    files = check_dataset(cfg)["train"].files
+    rows = Layout.of_files(files).rows[0]
+    reads = [(0, 0), (0, 0), (0, 1), (0, 2), (0, 2)]
+    stream = RayStream(
+        planned_dataset(cfg, files, reads).iter_batches(batch_size=None, batch_format="numpy")
+    )
+    got = [(tag, len(columns["sample_id"])) for tag, columns in stream.pieces()]
+    stream.close()
+    assert got == [((f, g), rows[g]) for f, g in reads]

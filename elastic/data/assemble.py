@@ -17,7 +17,10 @@ import numpy as np
 
 from elastic.data.order import EpochPlan, Group, Split
 
-GROUP_COLUMNS = ("__file", "__group")  # which row group a decoded block's rows come from
+GROUP_COLUMNS = ("__file", "__group", "__read")
+"""A decoded block's tags: the row group its rows come from, and that read's index in
+the execution's list (one execution reads several epochs: a group read at one epoch's
+end and again at the next one's start, in one block, stays two reads)."""
 CHUNK_STEPS = 64
 """Most steps gathered together."""
 CHUNK_BYTES = 4 * 2**20

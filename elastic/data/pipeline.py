@@ -113,26 +113,26 @@ def _row_group_source(
     from ray.data.datasource import Datasource, ReadTask
 
     footers = {f: pq.read_metadata(files[f]) for f in {f for f, _ in reads}}
-    runs: list[list[tuple[int, int]]] = []
+    runs: list[list[tuple[int, int, int]]] = []
     size, cap = 0.0, FIRST_TASK_BYTES // 2
-    for f, g in reads:
+    for i, (f, g) in enumerate(reads):
         meta = footers[f].row_group(g)
         nbytes = max(meta.total_byte_size, meta.num_rows * row_bytes)
         if not runs or size + nbytes > cap:
             runs.append([])
             size, cap = 0.0, min(2 * cap, TASK_BYTES)
-        runs[-1].append((f, g))
+        runs[-1].append((i, f, g))
         size += nbytes
 
-    def read(run: list[tuple[int, int]]) -> list[pa.Table]:
+    def read(run: list[tuple[int, int, int]]) -> list[pa.Table]:
         tables: list[pa.Table] = []
         shards: dict[int, pq.ParquetFile] = {}
-        for f, g in run:
+        for i, f, g in run:
             shard = shards.get(f) or shards.setdefault(f, pq.ParquetFile(files[f]))
             table = shard.read_row_group(g, columns=columns)
-            n = table.num_rows
-            table = table.append_column(GROUP_COLUMNS[0], pa.array([f] * n, pa.int32()))
-            tables.append(table.append_column(GROUP_COLUMNS[1], pa.array([g] * n, pa.int32())))
+            for name, value in zip(GROUP_COLUMNS, (f, g, i), strict=True):
+                table = table.append_column(name, pa.array([value] * table.num_rows, pa.int32()))
+            tables.append(table)
         return [pa.concat_tables(tables)]
 
     class RowGroups(Datasource):
@@ -146,14 +146,14 @@ def _row_group_source(
         ) -> list[ReadTask]:
             out = []
             for run in runs:
-                metas = [footers[f].row_group(g) for f, g in run]
+                metas = [footers[f].row_group(g) for _, f, g in run]
                 out.append(
                     ReadTask(
                         functools.partial(read, run),
                         BlockMetadata(
                             num_rows=sum(m.num_rows for m in metas),
                             size_bytes=sum(m.total_byte_size for m in metas),
-                            input_files=tuple(sorted({files[f] for f, _ in run})),
+                            input_files=tuple(sorted({files[f] for _, f, _ in run})),
                             exec_stats=None,
                         ),
                     )
@@ -187,7 +187,7 @@ class RayStream:
     """A Ray Data iterator of decoded blocks, iterated by a thread of its own from now on
     (Ray Data starts its execution at the first ``next``), ``depth`` blocks ahead; its
     failure is raised to the reader. :meth:`pieces` cuts the blocks into their row
-    groups' runs (by the GROUP_COLUMNS tags), in order. Once closed, both ends give up
+    groups' reads (by the GROUP_COLUMNS tags), in order. Once closed, both ends give up
     within half a second and the iterator is closed (Ray Data then ends its
     execution)."""
 
@@ -232,8 +232,8 @@ class RayStream:
                 return
             if isinstance(block, BaseException):
                 raise block
-            f, g = block[GROUP_COLUMNS[0]], block[GROUP_COLUMNS[1]]
-            cuts = np.flatnonzero((f[1:] != f[:-1]) | (g[1:] != g[:-1])) + 1
+            f, g, i = (block[name] for name in GROUP_COLUMNS)
+            cuts = np.flatnonzero(i[1:] != i[:-1]) + 1
             for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(f)], strict=True):
                 columns = {k: v[a:b] for k, v in block.items() if k not in GROUP_COLUMNS}
                 yield (int(f[a]), int(g[a])), columns
