@@ -92,10 +92,10 @@ def planned_dataset(cfg: DataConfig, files: list[str], reads: list[tuple[int, in
 
 TASK_BYTES = 32 * 2**20
 """A read task's row groups: consecutive ones of a rank's list, up to this many bytes
-(uncompressed, from the footers; at least one group). Each task costs the streaming
-executor ~30 ms of the consuming worker's CPU, whatever its size (measured on 2 cores:
-a rank's 32 MB of synthetic rows read at 29k rows/s in 2 MB tasks, 78k in 8 MB ones,
-87-136k in 32 MB ones)."""
+(uncompressed from the footers, or decoded where that is more; at least one group).
+Each task costs the streaming executor ~30 ms of the consuming worker's CPU, whatever
+its size (measured on 2 cores: a rank's 32 MB of synthetic rows read at 29k rows/s in
+2 MB tasks, 78k in 8 MB ones, 87-136k in 32 MB ones)."""
 FIRST_TASK_BYTES = 4 * 2**20
 """The first task's size; each next one twice the last, up to :data:`TASK_BYTES` (the
 first rows come soon after an execution starts)."""

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from elastic.data.assemble import SliceAssembler
 from elastic.data.order import EpochPlan, Group, Layout, Split
 from elastic.data.stream import StepBatch
 from elastic.errors import DataError
+
+if TYPE_CHECKING:  # the module imports Ray Data's side lazily
+    from elastic.data.pipeline import RayStream
 
 Columns = dict[str, np.ndarray]
 
@@ -163,7 +166,7 @@ class PlannedReader:
         self._bytes = 0
         self._cond = threading.Condition()
         self._stop = False
-        self._stream_now: Any = None  # the chain's; closed with the reader
+        self._stream_now: RayStream | None = None  # the chain's; closed with the reader
         self._consuming = first_epoch - 1  # the epoch training is in
         self.started = time.perf_counter()
         # start -> every row group of the first step read and decoded here
@@ -279,8 +282,8 @@ class PlannedReader:
             self._bytes += size
         self._queue.put((fg, columns, size))
 
-    def _stream(self, reads: list[Group]) -> Any:
-        """A :class:`~elastic.data.pipeline.RayStream` of ``reads`` (None: nothing to read)."""
+    def _stream(self, reads: list[Group]) -> RayStream | None:
+        """A Ray Data stream of ``reads`` (None: nothing to read)."""
         if not reads:
             return None
         import logging
@@ -289,7 +292,7 @@ class PlannedReader:
 
         from elastic.data.pipeline import RayStream, planned_dataset
 
-        # a worker starts a Ray Data execution every epoch: keep its log to what matters
+        # a worker starts a Ray Data execution every few epochs: keep its log to what matters
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = ctx.print_on_execution_start = False
         logging.getLogger("ray.data").setLevel(logging.WARNING)
