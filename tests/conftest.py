@@ -28,6 +28,7 @@ def ray_session():
     """A real embedded Ray cluster shared by the end-to-end tests (start-up is seconds)."""
     import ray
 
+    from elastic.cluster.bootstrap import WORKER_POOL
     from elastic.cluster.connect import WORKER_ENV
 
     ray.init(
@@ -36,6 +37,7 @@ def ray_session():
         object_store_memory=512 * 1024 * 1024,
         include_dashboard=False,
         runtime_env={"env_vars": dict(WORKER_ENV)},
+        _system_config=WORKER_POOL,  # as elastic's own Ray clusters
     )
     import ray.data
 

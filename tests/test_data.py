@@ -96,3 +96,56 @@ def test_each_validation_row_is_read_by_exactly_one_worker(tmp_path, world):
         assert rows > 0, f"rank {rank} of {world} read nothing"
     assert len(expected) == 1100 and got.keys() == expected.keys()
     assert all(np.allclose(got[i], expected[i]) for i in expected)
+
+
+@pytest.mark.slow
+def test_the_warm_up_starts_the_processes_the_worker_groups_reads_run_in(
+    small_data, ray_session, tmp_path
+):
+    """Ray runs a task only in a process of its own runtime env, and kills an idle one
+    past the node's soft limit: the driver's warm-up must start processes of the Ray
+    Train workers' env (not the job's), and they must outlive an idle pause, else each
+    worker group's first reads wait for new processes (seconds each). Fails with the
+    warm-up in the job's env, and with Ray's default soft limit (warm processes killed)."""
+    import psutil
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from elastic.config.compose import compose
+    from elastic.config.validate import to_typed
+    from elastic.data.pipeline import warm_up
+    from elastic.data.shards import list_shards
+
+    def task_process(config: dict) -> None:
+        """A Ray Train worker that waits past Ray's idle-process kill (1 s), then runs a
+        task the way its Ray Data reads do (no runtime env of its own): in which process?"""
+        import time
+
+        import ray
+        import ray.train
+
+        from elastic.data.pipeline import _import_decoder
+
+        time.sleep(3)
+        pid = ray.get(ray.remote(_import_decoder).remote(config["data"], config["file"], 0.5))
+        rank = ray.train.get_context().get_world_rank()
+        with open(f"{config['out']}/{rank}", "w") as f:
+            f.write(str(pid))
+
+    cfg, _ = compose(["+experiment=smoke", f"data.path={small_data}/train"])
+    data = to_typed(cfg).data
+    files = list_shards(data.path)
+    warm = warm_up(data, files, (0, 0), processes=2)
+    warm.join()
+    assert len(set(warm.pids)) == 2, warm.pids
+    before = {p.pid for p in psutil.process_iter()}
+    TorchTrainer(
+        task_process,
+        train_loop_config={"data": data, "file": files[0], "out": str(tmp_path)},
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name="warm", storage_path=str(tmp_path / "ray")),
+        torch_config=TorchConfig(backend="gloo"),
+    ).fit()
+    used = {int((tmp_path / str(rank)).read_text()) for rank in (0, 1)}
+    assert used <= before, f"the workers' tasks started processes {used - before}"
+    assert all(psutil.pid_exists(p) for p in warm.pids)

@@ -161,6 +161,7 @@ def _elastic_ingest(data, epochs: int, workdir: str, cache: bool) -> tuple[float
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from elastic.cluster.bootstrap import WORKER_POOL
     from elastic.cluster.connect import WORKER_ENV
     from elastic.data.order import Layout
     from elastic.data.pipeline import warm_up
@@ -175,13 +176,14 @@ def _elastic_ingest(data, epochs: int, workdir: str, cache: bool) -> tuple[float
         include_dashboard=False,
         runtime_env={"env_vars": dict(WORKER_ENV)},
         log_to_driver=False,
+        _system_config=WORKER_POOL,  # as elastic's own Ray clusters
     )
     layout = Layout(split.row_groups)
     f, g, _ = layout.groups()[0]
     # the cluster's first Ray Data execution (~5 s on a fresh one) before the clock: the
     # driver overlaps it with Ray Train's start (pipeline.warm_up); what a worker group
     # waits for its first batch is bench chaos's data_ready_s
-    warm_up(data, split.files, (f, g)).join()
+    warm_up(data, split.files, (f, g), processes=2).join()
     try:
         trainer = TorchTrainer(
             _consume,

@@ -53,6 +53,16 @@ HEALTH_ENV = {
     "RAY_health_check_failure_threshold": "3",
     "RAY_health_check_timeout_ms": "1000",
 }
+WORKER_POOL = {"num_workers_soft_limit": 64}
+"""The worker pool of every Ray node elastic starts (Ray system config; the ``ray start``
+of a batch job gets it as ``RAY_num_workers_soft_limit``). Ray's default soft limit is
+the node's CPU count, past which an idle worker process is killed after 1 s: a
+training node holds more than that in actors (the workers, Ray Train's controller and
+helpers), so every Ray Data read task process was killed as soon as it idled (between
+two reads held back by ``data.prefetch_mb``, between executions, and the driver's
+warm-up ones before the worker group's first read), and the next read waited for a new
+one (~2-5 s on 2 busy cores). Only processes a node once needed at the same time are
+kept: the limit bounds how many idle ones may stay, it starts none."""
 # Per-job port blocks: every port a Ray node listens on comes from its block
 PORT_BASE, PORT_TOP, PORT_BLOCK = 10000, 32000, 200
 PORT_NAMES = (
@@ -343,11 +353,13 @@ def node_cpus() -> int:
 
 def ray_env(jobdir: JobDir, tag: str) -> dict[str, str]:
     """Environment of this job's Ray processes (and its driver): the job's token, fast
-    health checks, and a tag by which teardown finds exactly this node's processes."""
+    health checks, elastic's worker pool (:data:`WORKER_POOL`), and a tag by which
+    teardown finds exactly this node's processes."""
     env = dict(os.environ)
     env.pop("RAY_AUTH_TOKEN", None)  # the job's token file, not somebody else's
     env.pop("RAY_ADDRESS", None)
     env.update(HEALTH_ENV)
+    env.update({f"RAY_{key}": str(value) for key, value in WORKER_POOL.items()})
     env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(jobdir.token), TAG_ENV: tag})
     return env
 

@@ -161,6 +161,7 @@ def _start_embedded(
     """A one-machine Ray whose every process listens on loopback only."""
     import ray
 
+    from elastic.cluster.bootstrap import WORKER_POOL
     from elastic.cluster.ray_internals import ray_constants
 
     constants = ray_constants()
@@ -186,6 +187,7 @@ def _start_embedded(
             include_dashboard=False,
             runtime_env={"env_vars": env},
             log_to_driver=True,
+            _system_config=WORKER_POOL,
         )
     finally:
         constants.ENABLE_RAY_CLUSTER = clusters

@@ -23,6 +23,7 @@ from typing import Any
 
 import psutil
 
+from elastic.cluster.bootstrap import WORKER_POOL
 from elastic.observe.tracking import HISTORY_FILE
 
 REPO = Path(__file__).resolve().parents[2]  # a source checkout: launch/run.py
@@ -31,6 +32,7 @@ FAST_HEALTH = {  # notice a dead node within seconds (see shared notes on Slurm)
     "health_check_period_ms": 1000,
     "health_check_failure_threshold": 3,
     "health_check_timeout_ms": 1000,
+    **WORKER_POOL,  # as every Ray cluster elastic starts
 }
 
 

@@ -26,6 +26,9 @@ IMPORTED = (
     "ray._raylet:Config",
     "ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator:_AutoscalingCoordinatorActor",
     "ray.train.v2._internal.execution.scaling_policy:ElasticScalingPolicy",
+    "ray.train.v2._internal.constants:get_env_vars_to_propagate",
+    "ray.train.v2._internal.constants:DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE",
+    "ray._common.constants:RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR",
 )
 """Every private name the functions below import (the test resolves each)."""
 
@@ -108,3 +111,23 @@ def elastic_scaling_policy() -> type:
     from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 
     return ElasticScalingPolicy
+
+
+def train_worker_env_vars() -> dict[str, str]:
+    """The environment variables Ray Train 2.60 adds to the job's for its controller and,
+    through it, its workers (``TorchTrainer._initialize_and_run_controller``): the
+    tasks a worker submits (Ray Data's reads) run in worker processes of that runtime
+    env, and Ray reuses a process only for tasks of the same one. A task given
+    ``runtime_env={"env_vars": these}`` from the driver runs in such a process
+    (:func:`elastic.data.pipeline.warm_up`)."""
+    from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
+    from ray.train.v2._internal.constants import (
+        DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+        get_env_vars_to_propagate,
+    )
+
+    env: dict[str, str] = get_env_vars_to_propagate()
+    env.setdefault(
+        RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE
+    )
+    return env

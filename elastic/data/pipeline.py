@@ -61,7 +61,12 @@ def decoder(cfg: DataConfig, shard: str) -> tuple[Any, dict[str, Any]]:
     return decode, {"input_column": cfg.input_column, "target_column": cfg.target_column, **kwargs}
 
 
-def planned_dataset(cfg: DataConfig, files: list[str], reads: list[tuple[int, int]]) -> Any:
+def planned_dataset(
+    cfg: DataConfig,
+    files: list[str],
+    reads: list[tuple[int, int]],
+    remote_args: dict[str, Any] | None = None,
+) -> Any:
     """A rank's read of the row groups ``reads`` ((file index, group) into ``files``, in
     that order: :meth:`elastic.data.order.EpochPlan.reads`), decoded by the format's
     decoder in Ray Data, each block tagged with the group it holds
@@ -71,13 +76,16 @@ def planned_dataset(cfg: DataConfig, files: list[str], reads: list[tuple[int, in
     out in the plan's order, a group possibly split between blocks. The tasks go where
     Ray's default puts them: the submitting worker's node while it has a free CPU, else
     another (pinning them to the worker's node, even softly, queues them behind the
-    training worker that holds its CPUs)."""
+    training worker that holds its CPUs). ``remote_args``: Ray options of its tasks."""
     import ray.data
     from ray.data import ExecutionOptions
 
     columns = read_columns(cfg, pq.read_schema(files[0]))
     source = _row_group_source(files, reads, columns, decoded_row_bytes(cfg, files))
-    ds = ray.data.read_datasource(source, override_num_blocks=max(1, source.tasks))
+    remote_args = remote_args or {}
+    ds = ray.data.read_datasource(
+        source, override_num_blocks=max(1, source.tasks), ray_remote_args=remote_args
+    )
     ds.context.execution_options = ExecutionOptions(preserve_order=True)
     decode, kwargs = decoder(cfg, files[0])
 
@@ -87,7 +95,9 @@ def planned_dataset(cfg: DataConfig, files: list[str], reads: list[tuple[int, in
             out[name] = batch[name].to_numpy()
         return out
 
-    return ds.map_batches(tagged, batch_format="pyarrow", zero_copy_batch=True, fn_kwargs=kwargs)
+    return ds.map_batches(
+        tagged, batch_format="pyarrow", zero_copy_batch=True, fn_kwargs=kwargs, **remote_args
+    )
 
 
 TASK_BYTES = 32 * 2**20
@@ -163,21 +173,61 @@ def _row_group_source(
     return RowGroups()
 
 
-def warm_up(cfg: DataConfig, files: list[str], group: tuple[int, int]) -> threading.Thread:
-    """Starts, in a thread of the driver, one small Ray Data read of row group ``group``
-    (file index, group) through the workers' own path (read task, decoder): a fresh cluster's
-    first Ray Data execution starts its task processes and imports the decoder, ~3 s
-    here, which the workers' first epoch would otherwise wait for. It runs while Ray
-    Train starts the worker group; a failure here is left to the workers' real read to
-    report."""
-
-    def run() -> None:
-        with contextlib.suppress(Exception):
-            planned_dataset(cfg, files, [group]).take_batch(1)
-
-    thread = threading.Thread(target=run, name="elastic-data-warm-up", daemon=True)
+def warm_up(
+    cfg: DataConfig, files: list[str], group: tuple[int, int], processes: int = 1
+) -> WarmUp:
+    """Starts :class:`WarmUp` (``processes`` processes for the worker group's reads of
+    ``files``, then a Ray Data read of row group ``group``) in a thread of the driver."""
+    thread = WarmUp(cfg, files, group, processes)
     thread.start()
     return thread
+
+
+class WarmUp(threading.Thread):
+    """Starts ``processes`` worker processes for the worker group's Ray Data reads on this
+    node, then one small Ray Data read of row group ``group`` (file index, group) through
+    the workers' own path (read task, decoder), while Ray Train starts the worker group:
+    a process takes seconds to start and import the decoder (~5 s each on 2 busy
+    cores), which the workers' first epoch would wait for (and every worker group after
+    a restart, in new processes).
+
+    The processes are of the workers' runtime env (the job's with Ray Train's additions:
+    :func:`~elastic.cluster.ray_internals.train_worker_env_vars`), since Ray gives a task
+    only a process of its own runtime env; an idle one lives on because elastic's Ray
+    clusters raise the worker pool's soft limit (:data:`elastic.cluster.bootstrap.WORKER_POOL`).
+    A failure here is left to the workers' real read to report."""
+
+    def __init__(
+        self, cfg: DataConfig, files: list[str], group: tuple[int, int], processes: int
+    ) -> None:
+        super().__init__(name="elastic-data-warm-up", daemon=True)
+        self.cfg, self.files, self.group, self.processes = cfg, files, group, processes
+        self.pids: list[int] = []
+        """The processes it started or found (their ids), once it is done."""
+
+    def run(self) -> None:
+        import ray
+
+        from elastic.cluster.ray_internals import train_worker_env_vars
+
+        with contextlib.suppress(Exception):
+            env = {"env_vars": train_worker_env_vars()}
+            # each task holds its process until all have one: one process each
+            hold = ray.remote(num_cpus=0, runtime_env=env)(_import_decoder)
+            held = [hold.remote(self.cfg, self.files[0], 0.5) for _ in range(self.processes)]
+            self.pids = ray.get(held)
+            planned_dataset(self.cfg, self.files, [self.group], {"runtime_env": env}).take_batch(1)
+
+
+def _import_decoder(cfg: DataConfig, shard: str, hold_s: float) -> int:
+    """In a task: import what a read task runs (the format's decoder), hold the process
+    ``hold_s`` seconds, and say which process it was."""
+    import os
+    import time
+
+    decoder(cfg, shard)
+    time.sleep(hold_s)
+    return os.getpid()
 
 
 _DONE = object()

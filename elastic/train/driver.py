@@ -154,7 +154,9 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
         )
         if layout.groups():  # Ray Data's first execution starts while Ray Train does
             f, g, _ = layout.groups()[0]
-            warm_up(cfg.data, train_split.files, (f, g))
+            # a process for each worker's reads, where the workers may be: this node
+            processes = min(cfg.scaling.max_workers, os.cpu_count() or 1)
+            warm_up(cfg.data, train_split.files, (f, g), processes)
         try:
             with _run_control(control, trainer, display, Cordons(out, control)):
                 result = trainer.fit()
