@@ -20,6 +20,7 @@ from conftest import train  # noqa: E402
 from elastic.cluster.localcluster import REPO  # noqa: E402
 from elastic.config.compose import compose, typed_config  # noqa: E402
 from elastic.datasets.protein import (  # noqa: E402
+    ContactsFormat,
     ProteinError,
     contact_width,
     convert,
@@ -30,6 +31,18 @@ from elastic.errors import ConfigError  # noqa: E402
 
 PREPARE = str(REPO / "datasets" / "protein" / "prepare.py")
 BITS = 214 * 213 // 2
+
+
+def model_inputs(table, shard):
+    """The contact maps of ``table`` as the model gets them: decoded as Ray Data does
+    (still packed, ceil(bits / 8) bytes a row), then unpacked as the training worker does."""
+    packed = decode_contacts(table, "contacts", "rg", BITS)["x"]
+    assert packed.dtype == np.uint8 and packed.shape == (table.num_rows, (BITS + 7) // 8)
+    return ContactsFormat().finisher(None, shard)(packed)
+
+
+def first_shard(path):
+    return str(sorted(path.glob("*.parquet"))[0])
 
 
 def read(path):
@@ -55,8 +68,9 @@ def test_adk_path_to_contact_maps_labels_and_metadata(tmp_path):
     p = ca.positions
     full = np.linalg.norm(p[:, None] - p[None], axis=-1)
     iu = np.triu_indices(214, 1)
-    decoded = decode_contacts(t.filter(t["frame"].to_numpy() == 40), "contacts", "rg", BITS)
-    np.testing.assert_array_equal(decoded["x"][0], (full[iu] < 8.0).astype(np.float32))
+    x = model_inputs(t.filter(t["frame"].to_numpy() == 40), first_shard(tmp_path / "out"))
+    assert x.dtype == np.float32
+    np.testing.assert_array_equal(x[0], (full[iu] < 8.0).astype(np.float32))
     dist = np.frombuffer(row["distances"], np.float16)
     np.testing.assert_allclose(dist, full[iu], rtol=2e-3, atol=2e-2)
     assert row["rg"] == pytest.approx(ca.radius_of_gyration(), rel=1e-4)
@@ -77,7 +91,7 @@ def test_the_synthetic_generator_writes_the_converters_schema(tmp_path):
     # labels that a model can learn: the further from "closed", the closer to "open"
     c, o = syn["rmsd_closed"].to_numpy(), syn["rmsd_open"].to_numpy()
     assert np.corrcoef(c, o)[0, 1] < -0.5
-    x = decode_contacts(syn, "contacts", "rg", BITS)["x"]
+    x = model_inputs(syn, first_shard(tmp_path / "syn"))
     assert 0.01 < x.mean() < 0.5  # a chain has contacts, not everything touches
 
 

@@ -209,8 +209,9 @@ def _elastic_ingest(data, epochs: int, workdir: str, cache: bool) -> tuple[float
 
 
 class _ShardBatches(torch.utils.data.IterableDataset):
-    """Each DataLoader worker reads its share of the files with
-    pyarrow and yields decoded batches (the same decode functions as elastic's)."""
+    """Each DataLoader worker reads its share of the files with pyarrow and yields
+    batches as the model takes them (the same decode and finish functions as elastic's:
+    contact maps unpacked in the DataLoader's workers, as a DataLoader user would)."""
 
     def __init__(self, data, batch_rows: int) -> None:
         from elastic.data.shards import list_shards
@@ -221,16 +222,18 @@ class _ShardBatches(torch.utils.data.IterableDataset):
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        from elastic.data.pipeline import decoder
+        from elastic.data.pipeline import decoder, finisher
 
         d = self.data
         info = torch.utils.data.get_worker_info()
         files = self.files[info.id :: info.num_workers] if info else self.files
         decode, kwargs = decoder(d, self.files[0])
+        finish = finisher(d, self.files[0])
         columns = ["sample_id", d.input_column, d.target_column]
         for f in files:
             for rb in pq.ParquetFile(f).iter_batches(self.batch_rows, columns=columns):
-                yield decode(pa.Table.from_batches([rb]), **kwargs)
+                batch = decode(pa.Table.from_batches([rb]), **kwargs)
+                yield {**batch, "x": finish(batch["x"])}  # the model's inputs, as elastic's
 
 
 def _as_is(batch):

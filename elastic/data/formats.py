@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 Decoder = Callable[..., dict[str, np.ndarray]]
 """(Arrow batch, input_column=, target_column=, **kwargs) -> {"sample_id", "x", "y"}."""
+Finisher = Callable[[np.ndarray], np.ndarray]
+"""A step's inputs as the decoder gave them -> the model's (:meth:`DataFormat.finisher`)."""
 
 
 def column_to_numpy(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
@@ -78,6 +80,14 @@ class DataFormat:
         """The function Ray Data's ``map_batches`` runs on each Arrow batch, and its keyword
         arguments beyond the columns (``shard``: any shard of the split)."""
         return decode_batch, {}
+
+    def finisher(self, cfg: DataConfig, shard: str) -> Finisher | None:
+        """What turns a step's inputs as the decoder gives them into the model's, run in
+        the training worker on one step's rows (and on validation blocks); None: the
+        decoder's are the model's. A decoder may so keep its rows compact through Ray
+        Data, the object store and the worker's cache (``contacts``: packed bits, 1/32 of
+        their float32 size), and leave the expansion to the step that trains them."""
+        return None
 
     def input_width(self, cfg: DataConfig, files: list[str]) -> int | None:
         """The model input's width when the data fixes it (checked against the model

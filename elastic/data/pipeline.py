@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from elastic.config.schema import DataConfig
 from elastic.data.assemble import GROUP_COLUMNS
-from elastic.data.formats import data_format
+from elastic.data.formats import Finisher, data_format
 from elastic.data.shards import ID_COLUMN, Split
 
 
@@ -28,9 +28,10 @@ def read_columns(cfg: DataConfig, schema: pa.Schema) -> list[str]:
 
 
 def decoded_bytes(cfg: DataConfig, split: Split) -> int:
-    """What ``split`` takes in memory decoded (what a cache holds, several times its
-    Parquet size for packed contact maps or compressed images): the decoder's output for
-    the first rows of a shard, per row, times the split's rows."""
+    """What ``split`` takes in memory decoded (what a cache holds: several times its
+    Parquet size for compressed images; contact maps stay packed until a step unpacks
+    them, :func:`finisher`): the decoder's output for the first rows of a shard, per row,
+    times the split's rows."""
     return int(decoded_row_bytes(cfg, split.files) * split.rows)
 
 
@@ -59,6 +60,18 @@ def decoder(cfg: DataConfig, shard: str) -> tuple[Any, dict[str, Any]]:
     its keyword arguments (``shard``: any shard of the split; its format decides)."""
     decode, kwargs = data_format(cfg.format).decoder(cfg, shard)
     return decode, {"input_column": cfg.input_column, "target_column": cfg.target_column, **kwargs}
+
+
+def finisher(cfg: DataConfig, shard: str) -> Finisher:
+    """What turns a step's decoded inputs into the model's, in the training worker (the
+    format's :meth:`~elastic.data.formats.DataFormat.finisher`; the identity where the
+    format has none)."""
+    finish = data_format(cfg.format).finisher(cfg, shard)
+    return finish if finish is not None else _as_decoded
+
+
+def _as_decoded(x: np.ndarray) -> np.ndarray:
+    return x
 
 
 def planned_dataset(

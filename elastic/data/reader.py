@@ -29,6 +29,7 @@ import numpy as np
 from elastic.config.schema import DataConfig
 from elastic.data.assemble import SliceAssembler
 from elastic.data.order import EpochPlan, Group, Layout, Split
+from elastic.data.pipeline import finisher
 from elastic.data.stream import StepBatch
 from elastic.errors import DataError
 
@@ -156,6 +157,8 @@ class PlannedReader:
             "y": np.zeros((0, 1), np.float32),
         }
         self.rank, self.world = rank, world
+        # a step's inputs as the model takes them, from the decoder's (its format's)
+        self._finish = finisher(cfg, files[0])
         self._next = (first_epoch, first_step)  # what epoch() is asked for next
         self._end = None if epochs is None else first_epoch + epochs
         self._cache: dict[Group, Columns] | None = None
@@ -345,10 +348,17 @@ class PlannedReader:
         assembler = SliceAssembler(plan, self.rank, self.world, from_step)
         groups = self._groups()
         for step, batch in assembler.steps(groups):
-            b = batch or self._empty
-            yield StepBatch(b["sample_id"], b["x"], b["y"], plan.global_rows(step))
+            if batch is None:  # no rows of this step here: the model's shapes, empty
+                yield StepBatch(*self._empty_parts(), plan.global_rows(step))
+                continue
+            x = self._finish(batch["x"])
+            yield StepBatch(batch["sample_id"], x, batch["y"], plan.global_rows(step))
         for _ in groups:  # groups read only for rows trained before a resume: to the end
             pass
+
+    def _empty_parts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        e = self._empty
+        return e["sample_id"], e["x"], e["y"]
 
     def _groups(self) -> Iterator[tuple[int, int, Columns]]:
         while True:

@@ -16,14 +16,15 @@ from typing import Any
 import numpy as np
 
 from elastic.config.schema import DataConfig
-from elastic.data.pipeline import decoder, read_columns
+from elastic.data.pipeline import decoder, finisher, read_columns
 from elastic.data.shards import ID_COLUMN
 
 
 def val_blocks(
     cfg: DataConfig, files: list[str], rank: int, world: int
 ) -> Iterator[dict[str, np.ndarray]]:
-    """This worker's share of the validation split, read and decoded here: row group i of
+    """This worker's share of the validation split, read and decoded here (the inputs as
+    the model takes them: :func:`~elastic.data.pipeline.finisher`): row group i of
     the split (its files in order, each file's row groups in order) is rank
     ``i % world``'s, so every validation row is evaluated once at any world size.
 
@@ -35,6 +36,7 @@ def val_blocks(
     import pyarrow.parquet as pq
 
     decode, kwargs = decoder(cfg, files[0])
+    finish = finisher(cfg, files[0])
     index = 0
     for path in files:
         shard = pq.ParquetFile(path)
@@ -43,7 +45,8 @@ def val_blocks(
             if index % world == rank:
                 table = shard.read_row_group(group, columns=columns)
                 if table.num_rows:
-                    yield decode(table, **kwargs)
+                    block = decode(table, **kwargs)
+                    yield {**block, "x": finish(block["x"])}
             index += 1
 
 

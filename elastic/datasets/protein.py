@@ -11,6 +11,7 @@ Data (``data.format=contacts``). Needs the ``protein`` extra (MDAnalysis).
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import math
@@ -343,7 +344,9 @@ def contact_width(shard: str) -> int | None:
 def decode_contacts(
     batch: pa.Table, input_column: str, target_column: str, width: int
 ) -> dict[str, np.ndarray]:
-    """Bit-packed contact maps -> float32 [N, width] of 0/1; the label as float32."""
+    """Bit-packed contact maps -> uint8 [N, ceil(width / 8)], still packed (a step's rows
+    are unpacked in the training worker: :meth:`ContactsFormat.finisher`); the label as
+    float32."""
     column = batch[input_column].combine_chunks()
     n = len(column)
     nbytes = (width + 7) // 8
@@ -363,20 +366,27 @@ def decode_contacts(
     )
     return {
         "sample_id": batch["sample_id"].to_numpy().astype(np.int64, copy=False),
-        "x": unpack_contacts(packed, width),
+        "x": packed,
         "y": batch[target_column].to_numpy().astype(np.float32, copy=False),
     }
 
 
 class ContactsFormat(DataFormat):
-    """``data.format=contacts``: bit-packed contact maps (:func:`convert`), decoded to 0/1
-    vectors in Ray Data; every shard of both splits must hold maps of one size."""
+    """``data.format=contacts``: bit-packed contact maps (:func:`convert`), kept packed
+    through Ray Data, the object store and the worker's cache (a row is 1/32 of its
+    float32 map) and unpacked to 0/1 vectors a step at a time in the training worker;
+    every shard of both splits must hold maps of one size."""
 
     name = "contacts"
     description = "bit-packed contact maps written by datasets/protein/prepare.py"
 
     def decoder(self, cfg: Any, shard: str) -> tuple[Any, dict[str, Any]]:
         return decode_contacts, {"width": contact_width(shard)}
+
+    def finisher(self, cfg: Any, shard: str) -> Any:
+        width = contact_width(shard)
+        assert width is not None, f"{shard} is not a contact-map shard"
+        return functools.partial(unpack_contacts, n_bits=width)
 
     def input_width(self, cfg: Any, files: list[str]) -> int | None:
         widths = [contact_width(f) for f in files]
