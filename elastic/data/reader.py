@@ -348,7 +348,7 @@ class PlannedReader:
         assembler = SliceAssembler(plan, self.rank, self.world, from_step)
         groups = self._groups()
         for step, batch in assembler.steps(groups):
-            if batch is None:  # no rows of this step here: the model's shapes, empty
+            if not batch:  # no rows of this step here: the model's shapes, empty
                 yield StepBatch(*self._empty_parts(), plan.global_rows(step))
                 continue
             x = self._finish(batch["x"])
