@@ -154,9 +154,10 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
         )
         if layout.groups():  # Ray Data's first execution starts while Ray Train does
             f, g, _ = layout.groups()[0]
-            # a process for each worker's reads, where the workers may be: this node
-            processes = min(cfg.scaling.max_workers, os.cpu_count() or 1)
-            warm_up(cfg.data, train_split.files, (f, g), processes)
+            # a read process for each worker this node can hold (~300 MB each: at most 8)
+            sc = cfg.scaling
+            fit = int((os.cpu_count() or 1) // max(sc.cpus_per_worker, 1e-9))
+            warm_up(cfg.data, train_split.files, (f, g), max(1, min(sc.max_workers, fit, 8)))
         try:
             with _run_control(control, trainer, display, Cordons(out, control)):
                 result = trainer.fit()
