@@ -109,7 +109,10 @@ def test_the_warm_up_starts_the_processes_the_worker_groups_reads_run_in(
     Train workers' env (not the job's), and they must outlive an idle pause, else each
     worker group's first reads wait for new processes (seconds each). Fails with the
     warm-up in the job's env, and with Ray's default soft limit (warm processes killed)."""
+    import time
+
     import psutil
+    import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -141,13 +144,29 @@ def test_the_warm_up_starts_the_processes_the_worker_groups_reads_run_in(
     warm.join()
     assert len(set(warm.pids)) == 2, warm.pids
     before = {p.pid for p in psutil.process_iter()}
-    TorchTrainer(
+
+    class Trainer(TorchTrainer):  # keeps its controller actor's handle, to end it
+        controller = None
+
+        def _register_sigint_handler(self, controller):
+            Trainer.controller = controller
+
+    trainer = Trainer(
         task_process,
         train_loop_config={"data": data, "file": files[0], "out": str(tmp_path)},
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name="warm", storage_path=str(tmp_path / "ray")),
         torch_config=TorchConfig(backend="gloo"),
-    ).fit()
+    )
+    trainer.fit()
+    ray.kill(Trainer.controller)  # the session is shared: leave no controller behind
     used = {int((tmp_path / str(rank)).read_text()) for rank in (0, 1)}
     assert used <= before, f"the workers' tasks started processes {used - before}"
     assert all(psutil.pid_exists(p) for p in warm.pids)
+    deadline = time.monotonic() + 15
+    while any(
+        (p.info["cmdline"] or [""])[0].startswith("ray::TrainController")
+        for p in psutil.process_iter(["cmdline"])
+    ):
+        assert time.monotonic() < deadline, "the test's Ray Train controller is left"
+        time.sleep(0.5)
