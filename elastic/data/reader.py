@@ -348,17 +348,11 @@ class PlannedReader:
         assembler = SliceAssembler(plan, self.rank, self.world, from_step)
         groups = self._groups()
         for step, batch in assembler.steps(groups):
-            if not batch:  # no rows of this step here: the model's shapes, empty
-                yield StepBatch(*self._empty_parts(), plan.global_rows(step))
-                continue
-            x = self._finish(batch["x"])
-            yield StepBatch(batch["sample_id"], x, batch["y"], plan.global_rows(step))
+            # no rows of this step here: the model's shapes, empty; else its inputs finished
+            b = {**batch, "x": self._finish(batch["x"])} if batch else self._empty
+            yield StepBatch(b["sample_id"], b["x"], b["y"], plan.global_rows(step))
         for _ in groups:  # groups read only for rows trained before a resume: to the end
             pass
-
-    def _empty_parts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        e = self._empty
-        return e["sample_id"], e["x"], e["y"]
 
     def _groups(self) -> Iterator[tuple[int, int, Columns]]:
         while True:
