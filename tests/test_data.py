@@ -102,17 +102,18 @@ def test_each_validation_row_is_read_by_exactly_one_worker(tmp_path, world):
 
 @pytest.mark.slow
 def test_the_warm_up_starts_the_processes_the_worker_groups_reads_run_in(
-    small_data, ray_session, tmp_path
+    small_data, ray_session, tmp_path, monkeypatch
 ):
     """Ray runs a task only in a process of its own runtime env, and kills an idle one
     past the node's soft limit: the driver's warm-up must start processes of the Ray
     Train workers' env (not the job's), and they must outlive an idle pause, else each
     worker group's first reads wait for new processes (seconds each). Fails with the
-    warm-up in the job's env, and with Ray's default soft limit (warm processes killed)."""
+    warm-up in the job's env, and with Ray's default soft limit (warm processes killed),
+    and with the warm-up blind to the variable the trainer sets (Ray Train's own drain
+    watcher off), as the driver orders them: the warm-up first."""
     import time
 
     import psutil
-    import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -120,6 +121,7 @@ def test_the_warm_up_starts_the_processes_the_worker_groups_reads_run_in(
     from elastic.config.validate import to_typed
     from elastic.data.pipeline import warm_up
     from elastic.data.shards import list_shards
+    from elastic.train.trainer import interruptible
 
     def task_process(config: dict) -> None:
         """A Ray Train worker that waits past Ray's idle-process kill (1 s), then runs a
@@ -137,6 +139,10 @@ def test_the_warm_up_starts_the_processes_the_worker_groups_reads_run_in(
         with open(f"{config['out']}/{rank}", "w") as f:
             f.write(str(pid))
 
+    from elastic.cluster import ray_internals
+
+    _, _, switch = ray_internals.preemption_watcher()
+    monkeypatch.delenv(switch, raising=False)  # as in a fresh driver (the session is shared)
     cfg, _ = compose(["+experiment=smoke", f"data.path={small_data}/train"])
     data = to_typed(cfg).data
     files = list_shards(data.path)
@@ -145,21 +151,16 @@ def test_the_warm_up_starts_the_processes_the_worker_groups_reads_run_in(
     assert len(set(warm.pids)) == 2, warm.pids
     before = {p.pid for p in psutil.process_iter()}
 
-    class Trainer(TorchTrainer):  # keeps its controller actor's handle, to end it
-        controller = None
-
-        def _register_sigint_handler(self, controller):
-            Trainer.controller = controller
-
-    trainer = Trainer(
+    # the product's trainer: its workers' env is what the warm-up must match (its own
+    # drain watcher turns Ray Train's off, through a variable the workers inherit)
+    trainer = interruptible(TorchTrainer)(
         task_process,
         train_loop_config={"data": data, "file": files[0], "out": str(tmp_path)},
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name="warm", storage_path=str(tmp_path / "ray")),
         torch_config=TorchConfig(backend="gloo"),
     )
-    trainer.fit()
-    ray.kill(Trainer.controller)  # the session is shared: leave no controller behind
+    trainer.fit()  # and ends its controller actor (the session is shared)
     used = {int((tmp_path / str(rank)).read_text()) for rank in (0, 1)}
     assert used <= before, f"the workers' tasks started processes {used - before}"
     assert all(psutil.pid_exists(p) for p in warm.pids)

@@ -180,33 +180,39 @@ def test_a_worker_killed_mid_checkpoint_is_never_resumed_from(cluster, data, tmp
     assert_every_epoch_once(s, data / "train", EPOCHS, ROWS)
 
 
-def test_drained_node_checkpoints_at_once_then_shrinks(cluster, data, tmp_path):
+def test_drained_nodes_checkpoint_at_once_then_shrink(cluster, data, tmp_path):
     """A node drain (Ray's preemption notice) makes the run checkpoint right away; when
-    the node then goes, the run resumes from that checkpoint: no step is lost."""
-    c = cluster(2)
+    the node then goes, the run resumes from that checkpoint: no step is lost. Twice:
+    the second drain lands in the worker group that the first one's restart started
+    (one drain watcher serves every group of the run)."""
+    c = cluster(3)
     run = Run(
         tmp_path,
         "drain",
         _overrides(
             data,
             "scaling.min_workers=1",
-            "scaling.max_workers=2",
+            "scaling.max_workers=3",
             "scaling.cpus_per_worker=3",
             "checkpoint.every_steps=1000",
         ),
         c.address,
     )
-    run.wait_for("step 10", lambda: run.last_step() >= 10)
-    victim = c.nodes[0]
-    c.drain(victim, deadline_s=60)
-    drain = run.wait_for("the drain event", lambda: run.events("node_drain"))[0]
-    run.wait_for("the drain checkpoint", lambda: drain["step"] in run.registered_steps())
-    c.remove_node(victim)  # the machine goes, as the drain announced
+    drains: list[dict] = []
+    for after in (10, 5):  # steps into the group before its node is drained
+        until = (drains[-1]["step"] if drains else 0) + after
+        run.wait_for(f"step {until}", lambda u=until: run.last_step() >= u)
+        victim = c.nodes[0]
+        c.drain(victim, deadline_s=60)
+        drain = run.wait_for("the drain event", lambda: run.events("node_drain")[len(drains) :])
+        drains.append(drain[0])
+        run.wait_for("the drain checkpoint", lambda: drains[-1]["step"] in run.registered_steps())
+        c.remove_node(victim)  # the machine goes, as the drain announced
     assert run.finish() == 0, run.output()[-5000:]
     s = run.summary()
-    assert s["world_sizes"] == [2, 1]
+    assert s["world_sizes"] == [3, 2, 1]
     resumes = [e["step"] for e in s["events"] if e["event"] == "resume"]
-    assert resumes == [drain["step"]]
+    assert resumes == [d["step"] for d in drains]
     assert_every_epoch_once(s, data / "train", EPOCHS, ROWS)
 
 

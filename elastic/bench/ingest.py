@@ -166,6 +166,7 @@ def _elastic_ingest(data, epochs: int, workdir: str, cache: bool) -> tuple[float
     from elastic.data.order import Layout
     from elastic.data.pipeline import warm_up
     from elastic.data.shards import check_dataset
+    from elastic.train.trainer import interruptible
 
     split = check_dataset(data)["train"]
     out = Path(workdir) / f"ingest-{time.time_ns()}.json"
@@ -185,7 +186,8 @@ def _elastic_ingest(data, epochs: int, workdir: str, cache: bool) -> tuple[float
     # waits for its first batch is bench chaos's data_ready_s
     warm_up(data, split.files, (f, g), processes=2).join()
     try:
-        trainer = TorchTrainer(
+        # the trainer training runs (its node-drain watcher started before the workers)
+        trainer = interruptible(TorchTrainer)(
             _consume,
             train_loop_config={
                 "data": data,

@@ -7,6 +7,7 @@ then fix what it names). Imports are lazy: importing this module does not import
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 RAY_VERSION = "2.60.0"
@@ -53,6 +54,16 @@ def preemption_watcher() -> tuple[type, type, str]:
     from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
 
     return PreemptionCallback, PreemptionWatcher, ENABLE_PREEMPTION_WATCHER_ENV_VAR
+
+
+def turn_off_train_drain_watcher() -> None:
+    """Turn Ray Train's own node-drain watcher off in this process's environment, which
+    Ray Train passes on to its controller and workers (elastic's trainer brings its own
+    watcher: :func:`elastic.train.trainer.interruptible`). The variable is part of the
+    workers' runtime env, so it is set before that env is read
+    (:func:`train_worker_env_vars`), whichever comes first."""
+    _, _, off_switch = preemption_watcher()
+    os.environ[off_switch] = "0"
 
 
 def dashboard_url() -> str | None:
@@ -119,13 +130,15 @@ def train_worker_env_vars() -> dict[str, str]:
     tasks a worker submits (Ray Data's reads) run in worker processes of that runtime
     env, and Ray reuses a process only for tasks of the same one. A task given
     ``runtime_env={"env_vars": these}`` from the driver runs in such a process
-    (:func:`elastic.data.pipeline.warm_up`)."""
+    (:func:`elastic.data.pipeline.warm_up`). With Ray Train's drain watcher off, as
+    elastic's trainer has it (the variable is one of those passed on)."""
     from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
     from ray.train.v2._internal.constants import (
         DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
         get_env_vars_to_propagate,
     )
 
+    turn_off_train_drain_watcher()
     env: dict[str, str] = get_env_vars_to_propagate()
     env.setdefault(
         RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE

@@ -1,12 +1,13 @@
 """Ray Train's TorchTrainer as the driver runs it (:func:`interruptible`): Ctrl-C and a
-second stop signal end ``fit()`` cleanly, the node-drain watcher has no restarts, and
-no placement-group cleaner polls a State API that is not there."""
+second stop signal end ``fit()`` cleanly, one node-drain watcher serves the whole fit
+(started before any worker reads), and no placement-group cleaner polls a State API
+that is not there."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
+import threading
 from typing import Any
 
 
@@ -23,11 +24,18 @@ def interruptible(trainer_cls: type, control: Any = None) -> type:
     With the run's ``control`` actor, an elastic group is sized without the nodes kept
     out of the run (:mod:`elastic.cluster.cordon`): Ray Train's elastic policy counts
     every live node's resources, also those a cordon holds, and would wait for a group
-    that cannot be placed."""
+    that cannot be placed.
+
+    Ray Train's own drain watcher is turned off from here on (in this process's
+    environment, which its controller and workers inherit): the trainer brings its own."""
+    from elastic.cluster import ray_internals
+
+    ray_internals.turn_off_train_drain_watcher()
 
     class Trainer(trainer_cls):
         interrupted: BaseException | None = None  # what fit() raises once aborted
         controller: Any = None
+        drain_watcher: Any = None  # its actor lives as long as fit()
         previous_sigint: Any = None
 
         def _register_sigint_handler(self, controller: Any) -> None:
@@ -41,7 +49,8 @@ def interruptible(trainer_cls: type, control: Any = None) -> type:
             Trainer.previous_sigint = signal.signal(signal.SIGINT, handler)
 
         def _create_default_callbacks(self) -> list[Any]:
-            callbacks = [*super()._create_default_callbacks(), _drain_watcher()]
+            Trainer.drain_watcher = _drain_watcher()
+            callbacks = [*super()._create_default_callbacks(), Trainer.drain_watcher]
             if _has_dashboard():
                 return callbacks
             # Ray Train's PlacementGroupCleaner asks the State API, i.e. the dashboard,
@@ -72,6 +81,9 @@ def interruptible(trainer_cls: type, control: Any = None) -> type:
                     with contextlib.suppress(Exception):  # Ray itself may be gone
                         ray.kill(Trainer.controller)
                     Trainer.controller = None
+                if Trainer.drain_watcher is not None:
+                    Trainer.drain_watcher.close()
+                    Trainer.drain_watcher = None
                 if Trainer.previous_sigint is not None:
                     signal.signal(signal.SIGINT, Trainer.previous_sigint)
             if Trainer.interrupted is not None:
@@ -82,38 +94,74 @@ def interruptible(trainer_cls: type, control: Any = None) -> type:
 
 
 def _drain_watcher() -> Any:
-    """Ray Train's node-drain watcher callback, whose watcher actor has no restarts.
+    """Ray Train's node-drain watcher callback with one watcher actor for the whole fit,
+    started with the callback (on the driver, as ``fit()`` begins), pinned to the
+    driver's node and pointed at each worker group as it starts.
 
-    Ray Train's own makes one watcher actor per worker group with max_restarts=-1 and the
-    workers' actor handles as constructor arguments, which makes Ray Core print an "E"
-    line at every start (ray-project/ray#53727: such arguments may be gone by a restart).
-    A restart would buy nothing here: a watcher dies with its node, which ends the worker
-    group, and the next group gets a new watcher. Ray Train's is turned off (the flag
-    reaches its controller, which adds it) and this one is passed as a callback."""
+    Ray Train's own starts a new watcher actor after every worker group's start, i.e. a
+    new Ray worker process while the group reads its first epoch (~2.5 s of a core
+    here: on 2 cores the first epoch's reads took twice as long), and makes it with
+    max_restarts=-1 and the workers' handles as constructor arguments, which makes Ray
+    Core print an "E" line at every start (ray-project/ray#53727). This one's process
+    starts beside the controller's, before any worker reads, and it has no restarts:
+    on the driver's node it goes only with the driver. Between groups it watches no
+    node. Ray Train's is turned off (:func:`interruptible`) and this one is passed as a
+    callback; :meth:`close` ends its actor."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from elastic.cluster import ray_internals
 
-    PreemptionCallback, PreemptionWatcher, off_switch = ray_internals.preemption_watcher()
-    os.environ[off_switch] = "0"
+    PreemptionCallback, PreemptionWatcher, _ = ray_internals.preemption_watcher()
 
-    class NoRestartPreemptionCallback(PreemptionCallback):  # type: ignore[valid-type,misc]
+    class RunDrainWatcher(PreemptionWatcher):  # type: ignore[valid-type,misc]
+        """Ray Train's watcher (its poll loop, its drain handling), re-aimed by
+        :meth:`watch` at each worker group (Ray's keeps one group's for its life)."""
+
+        def __init__(self, poll_interval_s: float) -> None:
+            self._aim = threading.Lock()  # before the poll thread starts
+            super().__init__(node_to_ranks={}, poll_interval_s=poll_interval_s)
+
+        def watch(self, node_to_ranks: dict[str, list[int]], by_rank: dict[int, Any]) -> None:
+            """Watch these nodes for drains, and tell these workers (a new watcher's
+            state, as Ray Train's gives each group)."""
+            with self._aim:
+                self._node_to_ranks = {n: sorted(r) for n, r in node_to_ranks.items()}
+                self._failure_domain_map = self._build_failure_domain_map(self._node_to_ranks)
+                self._worker_actors_by_rank = dict(by_rank)
+                self._last_drained: dict[str, int] = {}
+                self._latest_info = None
+
+        def _poll_once(self) -> None:
+            with self._aim:
+                super()._poll_once()
+
+    class RunDrainCallback(PreemptionCallback):  # type: ignore[valid-type,misc]
+        def __init__(self) -> None:
+            super().__init__()
+            node = ray.get_runtime_context().get_node_id()
+            here = NodeAffinitySchedulingStrategy(node, soft=True)
+            actor: Any = ray.remote(RunDrainWatcher)
+            options = {"num_cpus": 0, "max_restarts": 0, "scheduling_strategy": here}
+            self.watcher = actor.options(**options).remote(self._poll_interval_s)
+
         def after_worker_group_start(self, worker_group: Any) -> None:
-            self._stop_watcher()
             node_to_ranks: dict[str, list[int]] = {}
             by_rank = {}
             for w in worker_group.get_workers():
                 rank = w.distributed_context.world_rank
                 node_to_ranks.setdefault(w.metadata.node_id, []).append(rank)
                 by_rank[rank] = w.actor
-            watcher: Any = ray.remote(num_cpus=0, max_restarts=0)(PreemptionWatcher)
-            self._watcher = watcher.remote(
-                node_to_ranks=node_to_ranks,
-                poll_interval_s=self._poll_interval_s,
-                worker_actors_by_rank=by_rank,
-            )
+            self.watcher.watch.remote(node_to_ranks, by_rank)
 
-    return NoRestartPreemptionCallback()
+        def _stop_watcher(self) -> None:  # the group is ending: watch nothing until the next
+            self.watcher.watch.remote({}, {})
+
+        def close(self) -> None:
+            with contextlib.suppress(Exception):  # Ray itself may be gone
+                ray.kill(self.watcher)
+
+    return RunDrainCallback()
 
 
 def _cordon_aware_policy(scaling_config: Any, control: Any) -> Any:
