@@ -200,8 +200,14 @@ def test_drained_nodes_checkpoint_at_once_then_shrink(cluster, data, tmp_path):
     )
     drains: list[dict] = []
     for after in (10, 5):  # steps into the group before its node is drained
+        group = len(drains) + 1  # the first drain's group goes on until Ray restarts it
         until = (drains[-1]["step"] if drains else 0) + after
-        run.wait_for(f"step {until}", lambda u=until: run.last_step() >= u)
+        reached = lambda g=group, u=until: run.last_step_of_group(g) >= u  # noqa: E731
+        run.wait_for(f"step {until} in worker group {group}", reached)
+        # the drain watcher lives on the driver's node (the head here), which no drain
+        # takes: on a worker node it went with the first victim, and the run never
+        # heard of the second drain
+        assert c.actor_pids("RunDrainWatcher") == []
         victim = c.nodes[0]
         c.drain(victim, deadline_s=60)
         drain = run.wait_for("the drain event", lambda: run.events("node_drain")[len(drains) :])

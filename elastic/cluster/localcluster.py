@@ -76,11 +76,16 @@ class RayCluster:
 
     def train_worker_pids(self) -> list[int]:
         """PIDs of the Ray Train worker processes on this cluster's worker nodes."""
+        return self.actor_pids("RayTrainWorker")
+
+    def actor_pids(self, actor_class: str) -> list[int]:
+        """PIDs of the processes of ``actor_class``'s actors on this cluster's worker
+        nodes (not the head's)."""
         pids = []
         for node in self.nodes:
             for pid in _descendants(_raylet_pid(node)):
                 try:
-                    if "RayTrainWorker" in " ".join(psutil.Process(pid).cmdline()):
+                    if actor_class in " ".join(psutil.Process(pid).cmdline()):
                         pids.append(pid)
                 except psutil.Error:
                     continue
@@ -140,6 +145,19 @@ class RunFiles:
 
     def last_step(self) -> int:
         return max((r["step"] for r in self.records() if "train/loss" in r), default=0)
+
+    def last_step_of_group(self, group: int) -> int:
+        """The last step the run's ``group``-th worker group (1: the first) has trained,
+        0 before it has: a group's records follow its ``startup`` record. (A group that a
+        drain has told to go trains on until Ray Train restarts it: its steps are not the
+        next group's.)"""
+        starts, last = 0, 0
+        for r in self.records():
+            if r.get("event") == "startup":
+                starts += 1
+            if starts == group and "train/loss" in r:
+                last = r["step"]
+        return last
 
     def registered_steps(self) -> list[int]:
         """Steps of the checkpoints Ray Train has registered (complete on every rank)."""

@@ -104,8 +104,10 @@ def _drain_watcher() -> Any:
     max_restarts=-1 and the workers' handles as constructor arguments, which makes Ray
     Core print an "E" line at every start (ray-project/ray#53727). This one's process
     starts beside the controller's, before any worker reads, and it has no restarts:
-    on the driver's node it goes only with the driver. Between groups it watches no
-    node. Ray Train's is turned off (:func:`interruptible`) and this one is passed as a
+    on the driver's node it goes only with the driver. (Pinned hard: with a soft pin
+    the head's raylet at times passed the lease on to a worker node, and the first
+    drained node took the watcher with it: no later drain was seen.) Between groups it
+    watches no node. Ray Train's is turned off (:func:`interruptible`) and this one is passed as a
     callback; :meth:`close` ends its actor."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -140,7 +142,7 @@ def _drain_watcher() -> Any:
         def __init__(self) -> None:
             super().__init__()
             node = ray.get_runtime_context().get_node_id()
-            here = NodeAffinitySchedulingStrategy(node, soft=True)
+            here = NodeAffinitySchedulingStrategy(node, soft=False)
             actor: Any = ray.remote(RunDrainWatcher)
             options = {"num_cpus": 0, "max_restarts": 0, "scheduling_strategy": here}
             self.watcher = actor.options(**options).remote(self._poll_interval_s)
