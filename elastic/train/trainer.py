@@ -107,8 +107,8 @@ def _drain_watcher() -> Any:
     on the driver's node it goes only with the driver. (Pinned hard: with a soft pin
     the head's raylet at times passed the lease on to a worker node, and the first
     drained node took the watcher with it: no later drain was seen.) Between groups it
-    watches no node. Ray Train's is turned off (:func:`interruptible`) and this one is passed as a
-    callback; :meth:`close` ends its actor."""
+    watches no node. Ray Train's is turned off (:func:`interruptible`) and this one is
+    passed as a callback; :meth:`close` ends its actor."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
