@@ -12,11 +12,13 @@ workers the median of both is their mean, and a rank 2x slower would read 1.33x.
 ``stragglers.policy=rebalance``: every ``window`` intervals each rank's share of every
 step's rows is set so that the ranks' compute times come out equal, from what those
 intervals measured: rank r's time per step is taken as ``a_r + b_r * rows_r``, fitted
-from the last two windows in which its rows differed (forward and backward have fixed
-costs per step too: at 1/3 of a core, a 1024-wide MLP's 5-row slice took as long as a
-15-row one); before there are two, ``a_r`` is its optimizer time, ``b_r`` the rest per
-row, and the split moves half the way. The step's rows and the gradient (the mean over all of them)
-stay the same; only who trains which rows changes.
+from the last two windows in which its rows differed by :data:`FIT_APART` (forward and
+backward have fixed costs per step too: at 1/3 of a core, a 1024-wide MLP's 5-row slice
+took as long as a 15-row one; closer, a window's noise is the slope); before there are
+two, ``a_r`` is its optimizer time and ``b_r`` the rest per row, a model whose split
+falls short of the even one, never past it (for times linear in the rows). The step's
+rows and the gradient (the mean over all of them) stay the same; only who trains which
+rows changes.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ FIGURES = ("compute_s", "data_wait_s", "comm_s", "rows", "steps", "optimizer_s")
 """What each rank sends each log interval (sums over the interval)."""
 
 SHARE_SCALE = 10_000  # a rebalanced split's shares sum to this
-MIN_MOVE = 0.02  # a new split must move this share of the global batch (else noise)
-EVEN = 0.05  # compute times this close (slowest / fastest - 1) are left as they are
+MIN_MOVE = 0.01  # a new split must move this share of the global batch (else noise)
+EVEN = 0.02  # compute times this close (slowest / fastest - 1) are left as they are
+FIT_APART = 0.05  # rows this far apart (a share of each rank's) to fit a + b * rows from
 
 
 class StragglerWatch:
@@ -50,6 +53,7 @@ class StragglerWatch:
         self._intervals_since_split = 0
         self.shares: tuple[int, ...] | None = None  # None: equal shares
         self._point: tuple[np.ndarray, np.ndarray] | None = None  # last rows, compute
+        self._anchor: tuple[np.ndarray, np.ndarray] | None = None  # the last at other rows
 
     def observe(
         self, table: np.ndarray, warmup: bool = False
@@ -117,20 +121,27 @@ class StragglerWatch:
         fixed = sums[:, FIGURES.index("optimizer_s")] / steps
         if (rows <= 0).any() or (compute <= fixed).any():
             return None
-        previous, self._point = self._point, (rows, compute)
+        # the fit's other point: the last window at other rows (after a window that
+        # left the split as it was, the one before it)
+        if self._point is not None and (np.abs(rows - self._point[0]) >= 1).any():
+            self._anchor = self._point
+        previous, self._point = self._anchor, (rows, compute)
         if compute.max() / compute.min() < 1 + EVEN:
             return None
         # each rank's time per step as a + b * rows: from this window and the last one
-        # where its rows differed (forward and backward have fixed costs too); else
-        # its optimizer time + the rest in proportion to its rows, and then only half
-        # the way (that model leaves the fixed part of forward and backward out)
-        a, b, step = fixed, (compute - fixed) / rows, 0.5
-        if previous is not None and (np.abs(rows - previous[0]) >= 1).all():
+        # where its rows differed by FIT_APART (forward and backward have fixed costs
+        # too); else its optimizer time + the rest in proportion to its rows. That
+        # model counts forward's and backward's fixed costs as cost per row, which
+        # falls short of the even split (the slowed rank's time drops by less per row
+        # than its mean, the other's rises by less), never past it (for times linear
+        # in the rows): safe to go all the way
+        a, b = fixed, (compute - fixed) / rows
+        if previous is not None and (np.abs(rows - previous[0]) >= FIT_APART * rows).all():
             fit_b = (compute - previous[1]) / (rows - previous[0])
             fit_a = compute - fit_b * rows
             if (fit_b > 0).all() and (fit_a >= -0.05 * compute).all():  # float noise
-                a, b, step = np.maximum(fit_a, 0.0), fit_b, 1.0
-        target = rows + step * (_even_times(a, b, global_batch) - rows)
+                a, b = np.maximum(fit_a, 0.0), fit_b
+        target = _even_times(a, b, global_batch)
         floor = -(-SHARE_SCALE // global_batch)  # at least a row a step each
         shares = np.maximum(np.round(SHARE_SCALE * target / target.sum()), floor)
         if max_rows is not None:  # no slice over the memory bound: the rest to the others
