@@ -138,15 +138,25 @@ def test_rebalance_moves_rows_to_the_faster_rank_until_their_times_even_out():
     for _ in range(2):
         rows, new = _run_split(watch, cost, tuple(rows), fixed=0.002)
         assert new is None and abs(rows[0] - 49.33) < 1, rows
-    # a window that leaves the split as it is (its times read even: noise) does not
-    # cost the fit its other point: the next is fitted from the window before it
+    # noise: a window whose intervals swing more than the ranks are apart leaves the
+    # split as it is; the next window's intervals add to the evidence (the split is
+    # judged on both), and the move is then fitted against the split before
     watch = StragglerWatch(cfg, [{}, {}])
     _, split = _run_split(watch, cost, 2, fixed=0.002)
-    rows, none = _run_split(watch, lambda r, n: 0.05, split, fixed=0.002)
+    swing = iter([1.4, 0.6, 1.4, 0.6])  # a window of 4 intervals: their mean is 1
+    factor = {"now": 1.0}
+
+    def noisy(r, n):
+        if r == 0:  # one value per interval: rank 0 is asked first
+            factor["now"] = next(swing)
+        return cost(r, n) * (factor["now"] if r == 0 else 1.0)
+
+    rows, none = _run_split(watch, noisy, split, intervals=4, fixed=0.002)
     assert none is None and rows[0] < 48, rows
-    rows, split = _run_split(watch, cost, split, fixed=0.002)
-    rows, _ = _run_split(watch, cost, split, fixed=0.002)
-    assert abs(rows[0] - 49.33) < 1, rows
+    rows, again = _run_split(watch, cost, split, intervals=4, fixed=0.002)
+    assert again is not None
+    rows, last = _run_split(watch, cost, again, fixed=0.002)
+    assert abs(rows[0] - 49.33) < 1 and last is None, rows
     # never a slice over max_rows (data.micro_batch_size x accumulation): the rest to
     # the other rank
     watch = StragglerWatch(cfg, [{}, {}])

@@ -3,9 +3,9 @@ core beside a busy-looping process), in lock-step (``stragglers.policy=report``)
 with ``rebalance``; the ideal is the sum of each worker's samples/s measured alone (a
 1-worker run on the fast core, one on the slowed core, each with half the global
 batch). Every run's samples/s is the median of its log intervals after the rebalance
-run's second move. ``--rounds`` rounds of the four runs, the 2-worker runs alternating which goes
-first; medians and each ratio's range over the rounds, the verdict on the lowest round.
-Writes bench-hetero.json."""
+run's first move. ``--rounds`` rounds of the four runs, the 2-worker runs alternating
+which goes first; medians and each ratio's range over the rounds, the verdict on the
+lowest round. Writes bench-hetero.json (each round's log intervals too)."""
 
 from __future__ import annotations
 
@@ -37,10 +37,7 @@ MODEL = [
     "logger=none",
     "trainer.progress=off",
     "cluster.num_cpus=4",  # logical: the workers and Ray Data's read tasks
-    # 30-step windows: a 5-step interval's compute time on the slowed core read
-    # 0.68-1.30x the next one's (docs/performance.md#hetero); over 15-step windows
-    # that noise moved rows back and forth
-    "stragglers.window=6",
+    "stragglers.window=3",
 ]
 
 
@@ -113,12 +110,12 @@ def measure(args: argparse.Namespace) -> dict:
 def _round(runs: dict[str, dict]) -> dict:
     """One round's figures from its four runs."""
     moves = runs["rebalance"]["rebalances"]
-    # every run over the same steps: after the rebalance run's second move (its first
-    # move goes half the way; the second is fitted from the two windows), so that the
-    # steady state is compared, and the lock-step run is not judged on its start; the
-    # alone runs alike (the same steps, the median interval), so that the ideal is not
-    # lowered by the epoch starts that the 2-worker runs' medians leave out
-    after = moves[min(1, len(moves) - 1)]["step"] if moves else 0
+    # every run over the same steps: after the rebalance run's first move (which goes
+    # all the way; later ones refine it, at any step, from more intervals), so that
+    # the steady state is compared, and the lock-step run is not judged on its start;
+    # the alone runs alike (the same steps, the median interval), so that the ideal is
+    # not lowered by the epoch starts that the 2-worker runs' medians leave out
+    after = moves[0]["step"] if moves else 0
     rate = {k: _rate(r["intervals"], after) for k, r in runs.items()}
     ideal = rate["alone_fast"] + rate["alone_slow"]
     return {
@@ -131,6 +128,8 @@ def _round(runs: dict[str, dict]) -> dict:
         "slowdown": rate["alone_fast"] / rate["alone_slow"],
         "from_step": after,
         "final_rows": moves[-1]["rows"] if moves else None,
+        "moves": [(m["step"], m["rows"]) for m in moves],
+        "samples_per_s_by_step": {k: r["intervals"] for k, r in runs.items()},
         "runs": {k: {x: v for x, v in r.items() if x != "intervals"} for k, r in runs.items()},
     }
 

@@ -1,6 +1,8 @@
 """memory: model-state bytes per rank of elastic's DeepSpeed engines (ZeRO 0-3, bf16 and
 fp32 Adam, 1-3 gloo ranks), measured from the live tensors after a backward pass,
-against the ZeRO paper's formulas (the peer); within 10%. Writes bench-memory.json."""
+against the ZeRO paper's formulas (the peer): within 10%; and every live tensor of the
+rank (model states + DeepSpeed's buffers, :func:`elastic.train.engine.bucket_sizes`)
+within 1.2x the formula from ~10M parameters up. Writes bench-memory.json."""
 
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ ZERO_BYTES_PER_PARAM = {
     },
 }
 MEMORY_TOLERANCE = 0.10  # measured bytes within 10% of the formula
+TOTAL_TARGET = 1.2  # every live tensor of a rank over the formula, at most
+TOTAL_FROM_PARAMS = 10_000_000  # from this model size up (buffers have floors)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +59,8 @@ def measure(args: argparse.Namespace) -> dict:
                 m = _zero_memory(stage, precision, world, args.hidden, args.layers)
                 psi = m["psi"]
                 worst = max(m["ranks"], key=lambda r: r["model_state_bytes"])
+                # the rank that holds the most in all: model states + everything else
+                total = max(r["model_state_bytes"] + r["other_bytes"] for r in m["ranks"])
                 measured = worst["model_state_bytes"] / psi
                 formula = ZERO_BYTES_PER_PARAM[precision][stage](world)
                 row = {
@@ -68,6 +74,10 @@ def measure(args: argparse.Namespace) -> dict:
                     "within_tolerance": abs(measured / formula - 1) <= MEMORY_TOLERANCE,
                     "note": "",
                     "other_bytes_per_param": worst["other_bytes"] / psi,
+                    "total_bytes_per_param": total / psi,
+                    "total_ratio": total / psi / formula,
+                    "total_within_target": psi < TOTAL_FROM_PARAMS
+                    or total / psi / formula <= TOTAL_TARGET,
                     "parts_bytes_per_param": {k: v / psi for k, v in worst["parts"].items()},
                 }
                 if stage == 1 and world > 1:
@@ -82,8 +92,9 @@ def measure(args: argparse.Namespace) -> dict:
                     f"{precision} ZeRO-{stage} x{world}: {measured:.2f} bytes/param measured vs "
                     f"{formula:.2f} formula ({measured / formula:.2f}x; "
                     f"{'within' if row['within_tolerance'] else 'OUTSIDE'} "
-                    f"{MEMORY_TOLERANCE:.0%}), other tensors {row['other_bytes_per_param']:.1f}"
-                    f" bytes/param {row['note']}",
+                    f"{MEMORY_TOLERANCE:.0%}); all tensors {total / psi:.2f} bytes/param "
+                    f"({row['total_ratio']:.2f}x the formula, target <= {TOTAL_TARGET}) "
+                    f"{row['note']}",
                     flush=True,
                 )
     return {
@@ -91,4 +102,8 @@ def measure(args: argparse.Namespace) -> dict:
         "tolerance": MEMORY_TOLERANCE,
         "model": f"MLP 512-{args.hidden}x{args.layers}-8",
         "all_within_tolerance": all(r["within_tolerance"] for r in rows),
+        "total_target": TOTAL_TARGET,
+        "total_from_params": TOTAL_FROM_PARAMS,
+        "all_total_within_target": all(r["total_within_target"] for r in rows),
+        "total_ratio_max": max((r["total_ratio"] for r in rows), default=None),
     }

@@ -46,9 +46,14 @@ def _table_rows(results: dict) -> list[tuple[str, str, str, str, str, str]]:
     if o := results.get("overhead"):
         rows.append((
             "step time, steady state (smoke, 2 workers)", f"{o['elastic_step_s'] * 1e3:.1f} ms",
-            f"{o['torchrun_step_s'] * 1e3:.1f} ms (torchrun DDP)", f"{o['ratio']:.2f}",
+            f"{o['torchrun_step_s'] * 1e3:.1f} ms (torchrun DDP)",
+            f"{o['ratio']:.2f}" + (
+                f" (95% {o['ratio_ci_low']:.2f}-{o['ratio_ci_high']:.2f})"
+                if o.get("ratio_ci_high") is not None else " (1 round)"
+            ),
             f"<= {overhead.STEP_RATIO_TARGET}",
-            _verdict(o["ratio"] <= overhead.STEP_RATIO_TARGET),
+            _verdict(None if o.get("ratio_ci_high") is None
+                     else o["ratio_ci_high"] <= overhead.STEP_RATIO_TARGET),
         ))  # fmt: skip
         rows.append((
             "step time, first epoch (Parquet decoded on the same cores)",
@@ -177,6 +182,17 @@ def _table_rows(results: dict) -> list[tuple[str, str, str, str, str, str]]:
                 f"{worst['ratio']:.2f}", f"within {100 * m['tolerance']:.0f}%",
                 verdict + (f" ({notes})" if notes else ""),
             ))  # fmt: skip
+            judged = [c for c in cells if "total_ratio" in c]
+            if judged:
+                rows.append((
+                    f"all tensors, bytes/param, ZeRO-{stage} {precision}, N={worlds}",
+                    " / ".join(f"{c['total_bytes_per_param']:.2f}" for c in judged),
+                    " / ".join(f"{c['formula_bytes_per_param']:.2f}" for c in judged)
+                    + " (ZeRO formula)",
+                    f"{max(c['total_ratio'] for c in judged):.2f}",
+                    f"<= {m['total_target']} from {m['total_from_params'] / 1e6:g}M params",
+                    _verdict(all(c["total_within_target"] for c in judged)),
+                ))  # fmt: skip
     return rows
 
 

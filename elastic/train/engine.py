@@ -13,16 +13,50 @@ import torch
 from elastic.config.schema import TrainConfig
 from elastic.train.batch import BatchPlan
 
+DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's reduce bucket by default (elements)
+DEEPSPEED_PREFETCH = 50_000_000  # and ZeRO-3's prefetch bucket
+BUCKETS_PER_MODEL = 8  # a reduce bucket holds 1/8 of the parameters, or the largest tensor
+MIN_BUCKET = 1 << 20  # but not fewer elements (2 MB in bf16): small models, few reductions
+
+
+def bucket_sizes(model: torch.nn.Module, stage: int) -> dict[str, int]:
+    """DeepSpeed's buffers sized from the model (elements). At stages 1-3 DeepSpeed
+    allocates its gradient reduce bucket whole, 5e8 elements by default: 1 GB a rank in
+    bf16 whatever the model, 16x a 12M-parameter ZeRO-3 rank's model states at 3 ranks.
+    Here it holds 1/:data:`BUCKETS_PER_MODEL` of the parameters (the gradients then go
+    in up to as many reductions a step), at least the largest tensor (a larger one goes
+    alone) and :data:`MIN_BUCKET`, at most DeepSpeed's default; ZeRO-3's prefetch of
+    parameters the same. (The all-gather bucket of stages 1-2 is left as it is: it
+    allocates nothing ahead, and a smaller one only cuts the all-gather into more.)"""
+    if stage == 0:  # plain data parallelism: DeepSpeed's all-reduce allocates per call
+        return {}
+    numels = [p.numel() for p in model.parameters() if p.requires_grad]
+    total, largest = sum(numels), max(numels, default=1)
+    size = min(DEEPSPEED_BUCKET, max(largest, MIN_BUCKET, -(-total // BUCKETS_PER_MODEL)))
+    if stage < 3:
+        return {"reduce_bucket_size": size}
+    return {
+        "reduce_bucket_size": size,
+        "stage3_prefetch_bucket_size": min(DEEPSPEED_PREFETCH, size),
+    }
+
 
 def deepspeed_config(
-    cfg: TrainConfig, plan: BatchPlan, load_universal: bool = False
+    cfg: TrainConfig,
+    plan: BatchPlan,
+    load_universal: bool = False,
+    model: torch.nn.Module | None = None,
 ) -> dict[str, Any]:
+    """``model``: the buckets sized from it (:func:`bucket_sizes`), else DeepSpeed's."""
     s = cfg.strategy
+    zero: dict[str, Any] = {"stage": s.zero_stage}
+    if model is not None:
+        zero.update(bucket_sizes(model, s.zero_stage))
     ds: dict[str, Any] = {
         "train_batch_size": plan.deepspeed_batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum_steps,
-        "zero_optimization": {"stage": s.zero_stage},
+        "zero_optimization": zero,
         "bf16": {"enabled": s.precision == "bf16"},
         # we log ourselves; DeepSpeed's own periodic prints would interleave on every rank
         "steps_per_print": 2**31 - 1,
@@ -114,7 +148,7 @@ def build_engine(
         model=model,
         optimizer=optimizer,
         lr_scheduler=scheduler,
-        config=deepspeed_config(cfg, plan, load_universal),
+        config=deepspeed_config(cfg, plan, load_universal, model),
     )
     return engine
 

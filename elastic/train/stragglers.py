@@ -10,9 +10,12 @@ intervals in a row is a straggler. (Against the others' median, not all ranks': 
 workers the median of both is their mean, and a rank 2x slower would read 1.33x.)
 
 ``stragglers.policy=rebalance``: every ``window`` intervals each rank's share of every
-step's rows is set so that the ranks' compute times come out equal, from what those
-intervals measured: rank r's time per step is taken as ``a_r + b_r * rows_r``, fitted
-from the last two windows in which its rows differed by :data:`FIT_APART` (forward and
+step's rows is set so that the ranks' compute times come out equal, from what the
+intervals since the split last changed measured (up to :data:`HISTORY_WINDOWS` windows
+of them, so that a split that stays is judged on more and more of them; a change needs
+the imbalance to stand :data:`NOISE_Z` standard errors out of their interval-to-interval
+noise): rank r's time per step is taken as ``a_r + b_r * rows_r``, fitted
+from this split and the one before, when its rows differ by :data:`FIT_APART` (forward and
 backward have fixed costs per step too: at 1/3 of a core, a 1024-wide MLP's 5-row slice
 took as long as a 15-row one; closer, a window's noise is the slope); before there are
 two, ``a_r`` is its optimizer time and ``b_r`` the rest per row, a model whose split
@@ -23,6 +26,7 @@ rows changes.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -37,6 +41,8 @@ SHARE_SCALE = 10_000  # a rebalanced split's shares sum to this
 MIN_MOVE = 0.01  # a new split must move this share of the global batch (else noise)
 EVEN = 0.02  # compute times this close (slowest / fastest - 1) are left as they are
 FIT_APART = 0.05  # rows this far apart (a share of each rank's) to fit a + b * rows from
+NOISE_Z = 2.0  # a move needs the imbalance this many standard errors over the noise
+HISTORY_WINDOWS = 4  # a split is judged on up to this many windows of intervals
 
 
 class StragglerWatch:
@@ -49,11 +55,12 @@ class StragglerWatch:
         self._streak = np.zeros(world, dtype=np.int64)  # intervals in a row over threshold
         self._flagged: set[int] = set()  # reported, and not fast again since
         self._sums = np.zeros((world, len(FIGURES)))
-        self._since_split = np.zeros((world, len(FIGURES)))  # since the last rebalance()
-        self._intervals_since_split = 0
+        # each interval's table since the split last changed (the newest HISTORY_WINDOWS
+        # windows), and the intervals since rebalance() last looked
+        self._at_split: deque[np.ndarray] = deque(maxlen=HISTORY_WINDOWS * cfg.window)
+        self._intervals_since_check = 0
         self.shares: tuple[int, ...] | None = None  # None: equal shares
-        self._point: tuple[np.ndarray, np.ndarray] | None = None  # last rows, compute
-        self._anchor: tuple[np.ndarray, np.ndarray] | None = None  # the last at other rows
+        self._anchor: tuple[np.ndarray, np.ndarray] | None = None  # the last split's
 
     def observe(
         self, table: np.ndarray, warmup: bool = False
@@ -66,8 +73,8 @@ class StragglerWatch:
         table = np.asarray(table, dtype=np.float64)
         if not warmup:
             self._sums += table
-            self._since_split += table
-            self._intervals_since_split += 1
+            self._at_split.append(table.copy())
+            self._intervals_since_check += 1
         steps = np.maximum(table[:, FIGURES.index("steps")], 1)
         compute = table[:, 0] / steps
         rows = table[:, FIGURES.index("rows")]
@@ -106,28 +113,33 @@ class StragglerWatch:
     def rebalance(self, global_batch: int, max_rows: int | None = None) -> tuple[int, ...] | None:
         """Every ``window`` intervals: a new split of every step's rows that evens the
         ranks' compute times out (module docstring), or None: the times are within
-        :data:`EVEN` of each other, or the split would move less than :data:`MIN_MOVE`
-        of the global batch. ``max_rows``: no rank's slice larger
+        :data:`EVEN` of each other or of the intervals' noise, or the split would move
+        less than :data:`MIN_MOVE` of the global batch. ``max_rows``: no rank's slice larger
         (``data.micro_batch_size`` x accumulation steps, when set)."""
         world = len(self.where)
-        if world < 2 or self._intervals_since_split < self.cfg.window:
+        if world < 2 or self._intervals_since_check < self.cfg.window:
             return None
-        sums = self._since_split.copy()
-        self._since_split[:] = 0
-        self._intervals_since_split = 0
+        self._intervals_since_check = 0
+        tables = np.array(self._at_split)  # intervals x ranks x FIGURES
+        sums = tables.sum(axis=0)
         steps = np.maximum(sums[:, FIGURES.index("steps")], 1)
         rows = sums[:, FIGURES.index("rows")] / steps
         compute = sums[:, 0] / steps
         fixed = sums[:, FIGURES.index("optimizer_s")] / steps
         if (rows <= 0).any() or (compute <= fixed).any():
             return None
-        # the fit's other point: the last window at other rows (after a window that
-        # left the split as it was, the one before it)
-        if self._point is not None and (np.abs(rows - self._point[0]) >= 1).any():
-            self._anchor = self._point
-        previous, self._point = self._anchor, (rows, compute)
         if compute.max() / compute.min() < 1 + EVEN:
             return None
+        # noise: the slowest and the fastest rank's times per step apart by less than
+        # NOISE_Z standard errors of their interval-to-interval spread leave the split
+        # as it is, to be judged again with the next window's intervals too
+        if len(tables) > 1:
+            per_step = tables[:, :, 0] / np.maximum(tables[:, :, FIGURES.index("steps")], 1)
+            error = per_step.std(axis=0, ddof=1) / np.sqrt(len(tables))
+            hi, lo = int(compute.argmax()), int(compute.argmin())
+            if compute[hi] - compute[lo] < NOISE_Z * float(np.hypot(error[hi], error[lo])):
+                return None
+        previous = self._anchor
         # each rank's time per step as a + b * rows: from this window and the last one
         # where its rows differed by FIT_APART (forward and backward have fixed costs
         # too); else its optimizer time + the rest in proportion to its rows. That
@@ -164,6 +176,8 @@ class StragglerWatch:
         if moved < max(1, MIN_MOVE * global_batch):
             return None
         self.shares = new
+        self._anchor = (rows, compute)  # this split's point: the next fit's other one
+        self._at_split.clear()
         return new
 
     def summary(self) -> tuple[list[dict[str, Any]], float | None]:
