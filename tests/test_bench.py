@@ -37,8 +37,9 @@ def test_zero_partitions_model_state_as_the_paper_says(tmp_path):
     for stage in (0, 2, 3):
         r = rows[stage]
         total = r["total_bytes_per_param"]
-        assert total > r["measured_bytes_per_param"] or not stage  # the bucket counted
+        assert total >= r["measured_bytes_per_param"]
         assert total <= 1.2 * r["formula_bytes_per_param"], (stage, total)
+    assert rows[3]["total_bytes_per_param"] > rows[3]["measured_bytes_per_param"]  # + bucket
     table = markdown_table({"memory": report})
     assert table.count("| model-state bytes/param") == 3 and "NOT met" not in table
     assert table.count("| all tensors, bytes/param") == 3

@@ -14,14 +14,14 @@ step's rows is set so that the ranks' compute times come out equal, from what th
 intervals since the split last changed measured (up to :data:`HISTORY_WINDOWS` windows
 of them, so that a split that stays is judged on more and more of them; a change needs
 the imbalance to stand :data:`NOISE_Z` standard errors out of their interval-to-interval
-noise): rank r's time per step is taken as ``a_r + b_r * rows_r``, fitted
-from this split and the one before, when its rows differ by :data:`FIT_APART` (forward and
+noise): rank r's time per step is taken as ``a_r + b_r * rows_r``, fitted from this
+split and the one before, when its rows differ by :data:`FIT_APART` (forward and
 backward have fixed costs per step too: at 1/3 of a core, a 1024-wide MLP's 5-row slice
 took as long as a 15-row one; closer, a window's noise is the slope); before there are
-two, ``a_r`` is its optimizer time and ``b_r`` the rest per row, a model whose split
-falls short of the even one, never past it (for times linear in the rows). The step's
-rows and the gradient (the mean over all of them) stay the same; only who trains which
-rows changes.
+two splits, ``a_r`` is its optimizer time and ``b_r`` the rest per row, a model whose
+split falls short of the even one, never past it (for times linear in the rows). The
+step's rows and the gradient (the mean over all of them) stay the same; only who trains
+which rows changes.
 """
 
 from __future__ import annotations
@@ -140,8 +140,8 @@ class StragglerWatch:
             if compute[hi] - compute[lo] < NOISE_Z * float(np.hypot(error[hi], error[lo])):
                 return None
         previous = self._anchor
-        # each rank's time per step as a + b * rows: from this window and the last one
-        # where its rows differed by FIT_APART (forward and backward have fixed costs
+        # each rank's time per step as a + b * rows: from this split and the one before,
+        # when its rows differ by FIT_APART (forward and backward have fixed costs
         # too); else its optimizer time + the rest in proportion to its rows. That
         # model counts forward's and backward's fixed costs as cost per row, which
         # falls short of the even split (the slowed rank's time drops by less per row
