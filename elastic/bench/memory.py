@@ -63,6 +63,7 @@ def measure(args: argparse.Namespace) -> dict:
                 total = max(r["model_state_bytes"] + r["other_bytes"] for r in m["ranks"])
                 measured = worst["model_state_bytes"] / psi
                 formula = ZERO_BYTES_PER_PARAM[precision][stage](world)
+                total_ratio = total / psi / formula
                 row = {
                     "precision": precision,
                     "stage": stage,
@@ -75,9 +76,8 @@ def measure(args: argparse.Namespace) -> dict:
                     "note": "",
                     "other_bytes_per_param": worst["other_bytes"] / psi,
                     "total_bytes_per_param": total / psi,
-                    "total_ratio": total / psi / formula,
-                    "total_within_target": psi < TOTAL_FROM_PARAMS
-                    or total / psi / formula <= TOTAL_TARGET,
+                    "total_ratio": total_ratio,
+                    "total_within_target": psi < TOTAL_FROM_PARAMS or total_ratio <= TOTAL_TARGET,
                     "parts_bytes_per_param": {k: v / psi for k, v in worst["parts"].items()},
                 }
                 if stage == 1 and world > 1:
@@ -93,7 +93,7 @@ def measure(args: argparse.Namespace) -> dict:
                     f"{formula:.2f} formula ({measured / formula:.2f}x; "
                     f"{'within' if row['within_tolerance'] else 'OUTSIDE'} "
                     f"{MEMORY_TOLERANCE:.0%}); all tensors {total / psi:.2f} bytes/param "
-                    f"({row['total_ratio']:.2f}x the formula, target <= {TOTAL_TARGET}) "
+                    f"({total_ratio:.2f}x the formula, target <= {TOTAL_TARGET}) "
                     f"{row['note']}",
                     flush=True,
                 )
