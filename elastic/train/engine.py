@@ -63,9 +63,10 @@ def deepspeed_config(
         "wall_clock_breakdown": False,
         # client optimizers (torch) are what ZeRO then partitions; allow it explicitly
         "zero_allow_untested_optimizer": True,
+        # always said: left out, DeepSpeed clips the gradient norm at 1.0 (its default),
+        # where 0 here means no clipping
+        "gradient_clipping": s.gradient_clipping,
     }
-    if s.gradient_clipping:
-        ds["gradient_clipping"] = s.gradient_clipping
     if load_universal:
         ds["checkpoint"] = {"load_universal": True}
     return ds
