@@ -1,12 +1,17 @@
 """overhead: steady-state step time of the smoke experiment through ``elastic`` (Ray Train
-+ DeepSpeed + streamed Parquet) vs plain ``torchrun --nproc-per-node 2`` DDP on the same
-model and the same data held in memory. Steady state is after the first epoch (the
-split then comes from each worker's cache); the first epoch, while Ray Data reads and
-decodes the shards on the same cores, is reported apart. Rounds alternate which goes
-first; ``ratio`` is the geometric mean of the rounds' ratios, with its 95% confidence
-interval (Student's t over the rounds' log ratios), and the verdict is on the
-interval's upper end: met only when the whole interval is at or under the target.
-Writes bench-overhead.json."""
++ DeepSpeed + streamed Parquet) vs its peers on the same model and the same data held in
+memory: plain ``torchrun --nproc-per-node 2`` DDP (``launch/peers/ddp_step.py``) and
+DeepSpeed under torchrun with the engine elastic builds (``launch/peers/ds_step.py``),
+at each ZeRO stage of ``--zero-stages`` (0 and 2 by default). The layers apart:
+DeepSpeed vs DDP is DeepSpeed's own cost, elastic vs DeepSpeed is elastic's (its loop,
+Ray, the streamed data). Each stage is judged against its like-for-like peer: DDP at 0,
+DeepSpeed at the same stage above it. Steady state is after the first epoch (the split
+then comes from each worker's cache); the first epoch, while Ray Data reads and decodes
+the shards on the same cores, is reported apart. Each round runs every run once, each
+round starting one run further on; a ratio is the geometric mean of the rounds' ratios,
+with its 95% confidence interval (Student's t over the rounds' log ratios), and the
+verdict is on the interval's upper end: met only when the whole interval is at or
+under the target. Writes bench-overhead.json."""
 
 from __future__ import annotations
 
@@ -40,12 +45,13 @@ def ratio_interval(ratios: list[float]) -> tuple[float, float | None, float | No
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument(
-        "--zero-stage",
-        type=int,
-        default=0,
-        help="0 is DeepSpeed's plain data parallelism: like for like with DDP",
+        "--zero-stages",
+        default="0,2",
+        help="comma separated; each stage's elastic run is judged against plain DDP at 0 "
+        "(DeepSpeed's plain data parallelism: like for like) and against DeepSpeed under "
+        "torchrun at the same stage otherwise",
     )
     p.add_argument("overrides", nargs="*", help="extra config overrides for the elastic run")
 
@@ -84,7 +90,7 @@ def _elastic_step_s(overrides: list[str], steps: int, workdir: str) -> dict[str,
     }
 
 
-def _torchrun_step_s(cfg, steps: int) -> float:
+def _ddp_step_s(cfg, steps: int) -> float:
     args = [
         "--data", cfg.data.path, "--input-dim", str(cfg.model.input_dim),
         "--hidden-dims", ",".join(map(str, cfg.model.hidden_dims)),
@@ -95,32 +101,63 @@ def _torchrun_step_s(cfg, steps: int) -> float:
     return float(torchrun_json(cfg.scaling.max_workers, "ddp_step.py", args)["step_s"])
 
 
+def _deepspeed_step_s(cfg, overrides: list[str], steps: int) -> float:
+    """DeepSpeed under torchrun, the engine elastic builds from the same config."""
+    args = ["--steps", str(steps), "--warmup", str(WARMUP_STEPS), "--"]
+    args += ["+experiment=smoke", *overrides]
+    return float(torchrun_json(cfg.scaling.max_workers, "ds_step.py", args)["step_s"])
+
+
+def _stages(text: str) -> list[int]:
+    try:
+        stages = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        stages = []
+    if not stages or any(s not in (0, 1, 2, 3) for s in stages):
+        raise SystemExit(f"bench overhead: --zero-stages {text!r}: give stages 0-3, e.g. 0,2")
+    return stages
+
+
+def _figures(ratios: list[float]) -> dict[str, float | bool | None]:
+    ratio, low, high = ratio_interval(ratios)
+    return {
+        "ratio": ratio,
+        "ratio_ci_low": low,
+        "ratio_ci_high": high,
+        "met": None if high is None else high <= STEP_RATIO_TARGET,
+    }
+
+
 def measure(args: argparse.Namespace) -> dict:
     from elastic.train.driver import prepare_data
 
-    overrides = [f"strategy.zero_stage={args.zero_stage}", *args.overrides]
-    cfg = smoke_config(overrides)
+    stages = _stages(args.zero_stages)
+    cfg = smoke_config([f"strategy.zero_stage={stages[0]}", *args.overrides])
     prepare_data(cfg)
+    runs = [("ddp", None)]
+    for s in stages:
+        runs += [("elastic", s), ("deepspeed", s)]
     rounds = []
     workdir = tempfile.mkdtemp(prefix="elastic-bench-")
     try:
         for r in range(args.rounds):
             result: dict[str, float] = {}
-            order = ["elastic", "torchrun"] if r % 2 == 0 else ["torchrun", "elastic"]
-            for who in order:
-                if who == "elastic":
-                    step_s = _elastic_step_s(overrides, args.steps, workdir)
-                    result["elastic"] = step_s["steady"]
-                    result["elastic_first_epoch"] = step_s["first_epoch"]
-                    result["elastic_with_epoch_starts"] = step_s["with_epoch_starts"]
+            shift = r % len(runs)  # each round starts one run further on
+            for who, stage in runs[shift:] + runs[:shift]:
+                overrides = [f"strategy.zero_stage={stage}", *args.overrides]
+                if who == "ddp":
+                    result["ddp"] = _ddp_step_s(cfg, args.steps)
+                elif who == "deepspeed":
+                    result[f"deepspeed_zero{stage}"] = _deepspeed_step_s(cfg, overrides, args.steps)
                 else:
-                    result[who] = _torchrun_step_s(cfg, args.steps)
-            result["ratio"] = result["elastic"] / result["torchrun"]
+                    step_s = _elastic_step_s(overrides, args.steps, workdir)
+                    result[f"elastic_zero{stage}"] = step_s["steady"]
+                    result[f"elastic_zero{stage}_first_epoch"] = step_s["first_epoch"]
+                    result[f"elastic_zero{stage}_with_epoch_starts"] = step_s["with_epoch_starts"]
             rounds.append(result)
             print(
-                f"round {r + 1}: elastic {result['elastic'] * 1e3:.2f} ms/step (first epoch "
-                f"{result['elastic_first_epoch'] * 1e3:.2f}), torchrun DDP "
-                f"{result['torchrun'] * 1e3:.2f} ms/step: ratio {result['ratio']:.3f}",
+                f"round {r + 1}: "
+                + ", ".join(f"{k} {v * 1e3:.2f} ms/step" for k, v in result.items()),
                 flush=True,
             )
     finally:
@@ -129,29 +166,55 @@ def measure(args: argparse.Namespace) -> dict:
     def median(key: str) -> float:
         return statistics.median(r[key] for r in rounds)
 
-    el, tr = median("elastic"), median("torchrun")
-    first, with_starts = median("elastic_first_epoch"), median("elastic_with_epoch_starts")
-    ratio, low, high = ratio_interval([r["ratio"] for r in rounds])
+    ddp = median("ddp")
+    by_stage: dict[str, dict] = {}
+    for s in stages:
+        el, ds = f"elastic_zero{s}", f"deepspeed_zero{s}"
+        peer = "ddp" if s == 0 else ds
+        vs_ddp = [r[el] / r["ddp"] for r in rounds]
+        vs_ds = [r[el] / r[ds] for r in rounds]
+        by_stage[str(s)] = {
+            **_figures(vs_ddp if s == 0 else vs_ds),
+            "peer": "torchrun_ddp" if s == 0 else "torchrun_deepspeed",
+            "elastic_step_s": median(el),
+            "peer_step_s": median(peer),
+            "vs_ddp": _figures(vs_ddp),
+            "vs_deepspeed": _figures(vs_ds),
+            # what DeepSpeed itself adds above plain DDP, elastic's loop and Ray aside
+            "deepspeed_vs_ddp": _figures([r[ds] / r["ddp"] for r in rounds]),
+            "elastic_first_epoch_step_s": median(f"{el}_first_epoch"),
+            "ratio_first_epoch": median(f"{el}_first_epoch") / median(peer),
+            "elastic_step_s_with_epoch_starts": median(f"{el}_with_epoch_starts"),
+            "ratio_with_epoch_starts": median(f"{el}_with_epoch_starts") / median(peer),
+        }
+    main = by_stage[str(stages[0])]
+    verdicts = [v["met"] for v in by_stage.values()]
     report = {
-        "ratio": ratio,
-        "ratio_ci_low": low,
-        "ratio_ci_high": high,
-        "met": None if high is None else high <= STEP_RATIO_TARGET,
-        "verdict_on": "the 95% interval's upper end",
-        "elastic_step_s": el,
-        "torchrun_step_s": tr,
-        "peers": {"torchrun_ddp": {"step_s": tr, "rounds": [r["torchrun"] for r in rounds]}},
-        "ratio_of_medians": el / tr,
-        "ratio_per_round_median": median("ratio"),
-        "elastic_first_epoch_step_s": first,
-        "ratio_first_epoch": first / tr,
-        "elastic_step_s_with_epoch_starts": with_starts,
-        "ratio_with_epoch_starts": with_starts / tr,
+        # the first stage's figures at the top (0 by default: against plain DDP)
+        **{k: main[k] for k in ("ratio", "ratio_ci_low", "ratio_ci_high")},
+        "met": None if None in verdicts else all(verdicts),
+        "verdict_on": "the 95% interval's upper end, every stage",
+        "elastic_step_s": main["elastic_step_s"],
+        "torchrun_step_s": main["peer_step_s"],
+        "elastic_first_epoch_step_s": main["elastic_first_epoch_step_s"],
+        "ratio_first_epoch": main["ratio_first_epoch"],
+        "stages": by_stage,
+        "peers": {
+            "torchrun_ddp": {"step_s": ddp, "rounds": [r["ddp"] for r in rounds]},
+            **{
+                f"torchrun_deepspeed_zero{s}": {
+                    "step_s": median(f"deepspeed_zero{s}"),
+                    "rounds": [r[f"deepspeed_zero{s}"] for r in rounds],
+                }
+                for s in stages
+            },
+        },
         "target": STEP_RATIO_TARGET,
         "rounds": rounds,
         "setup": {
             "experiment": "smoke",
-            "overrides": overrides,
+            "zero_stages": stages,
+            "overrides": args.overrides,
             "steps": args.steps,
             "warmup_steps": WARMUP_STEPS,
             "workers": cfg.scaling.max_workers,
@@ -162,12 +225,15 @@ def measure(args: argparse.Namespace) -> dict:
             "cpus": os.cpu_count(),
         },
     }
-    interval = "one round: no interval" if high is None else f"95% interval {low:.3f}-{high:.3f}"
-    print(
-        f"overhead: elastic {el * 1e3:.2f} ms/step vs torchrun DDP {tr * 1e3:.2f} ms/step: "
-        f"ratio {ratio:.3f} ({interval}; target <= {STEP_RATIO_TARGET:.2f} over the whole "
-        f"interval); first epoch (Parquet read "
-        f"and decoded on the same cores) {first * 1e3:.2f} ms/step, ratio {first / tr:.3f}; "
-        f"with epoch starts {with_starts * 1e3:.2f} ms/step, ratio {with_starts / tr:.3f}"
-    )
+    for s, v in by_stage.items():
+        low, high = v["ratio_ci_low"], v["ratio_ci_high"]
+        interval = "one round: no interval" if high is None else f"95% {low:.3f}-{high:.3f}"
+        print(
+            f"overhead ZeRO-{s}: elastic {v['elastic_step_s'] * 1e3:.2f} ms/step vs "
+            f"{v['peer']} {v['peer_step_s'] * 1e3:.2f}: ratio {v['ratio']:.3f} ({interval}; "
+            f"target <= {STEP_RATIO_TARGET:.2f} over the whole interval); vs DDP "
+            f"{v['vs_ddp']['ratio']:.3f}, vs DeepSpeed {v['vs_deepspeed']['ratio']:.3f}, "
+            f"DeepSpeed vs DDP {v['deepspeed_vs_ddp']['ratio']:.3f}; first epoch "
+            f"{v['elastic_first_epoch_step_s'] * 1e3:.2f} ms/step"
+        )
     return report
