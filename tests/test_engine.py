@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 
@@ -142,3 +143,77 @@ def test_every_stage_updates_as_plain_torch_does_with_clipping_off_and_on(tmp_pa
         if clip:  # the case tells clipped from unclipped apart
             gap = max((a - b).abs().max().item() for a, b in zip(want, unclipped, strict=True))
             assert gap > 1e-3, gap
+
+
+def _faults_rank(rank: int, port: int, out: str) -> None:
+    """Minor page faults of each ZeRO-2 step after 5 to warm up, in this process."""
+    import resource
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+        DS_ACCELERATOR="cpu",
+    )
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from elastic.config.schema import DataConfig, StrategyConfig, TrainConfig
+    from elastic.models.mlp import MLPConfig
+    from elastic.train.batch import BatchPlan
+    from elastic.train.engine import build_engine, init_distributed
+
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    init_distributed(False)
+    cfg = TrainConfig(  # the smoke model: 4.7M parameters
+        model=MLPConfig(input_dim=256, hidden_dims=[2048, 2048], output_dim=16),
+        data=DataConfig(path="unused", global_batch_size=16),
+        strategy=StrategyConfig(zero_stage=2),
+    )
+    torch.manual_seed(0)
+    engine = build_engine(cfg, BatchPlan.for_world(16, 2), cfg.model.build())
+    x, y = torch.randn(8, 256), torch.randn(8, 16)
+    faults = []
+    for _ in range(15):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        engine.backward(((engine(x) - y) ** 2).sum())
+        engine.step()
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(faults[5:], f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_zero2_steps_map_no_fresh_pages_with_the_workers_malloc_settings(tmp_path, monkeypatch):
+    """With glibc's defaults DeepSpeed's per-step buffers are mapped afresh every step
+    (thousands of page faults a step: the control, so that the check can fail); with
+    the environment elastic gives its Ray workers, the steps reuse them. (Here on the
+    main thread; in Ray Train's training thread the defaults fault as much or more:
+    docs/performance.md#step-overhead has a run's workers measured.)"""
+    from elastic.train.allocator import MALLOC_ENV, worker_malloc_env
+
+    for key in [k for k in os.environ if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"]:
+        monkeypatch.delenv(key)
+    assert worker_malloc_env(os.environ) == MALLOC_ENV
+    assert worker_malloc_env({"MALLOC_ARENA_MAX": "4"}) == {}  # the user's own: kept
+    got = {}
+    for kept in (False, True):
+        for key, value in MALLOC_ENV.items():  # the spawned ranks inherit os.environ
+            if kept:
+                monkeypatch.setenv(key, value)
+        out = str(tmp_path / f"{kept}.json")
+        mp.start_processes(
+            _faults_rank, args=(_free_port(), out), nprocs=2, join=True, start_method="spawn"
+        )
+        with open(out) as f:
+            got[kept] = json.load(f)
+    fresh, kept_faults = got[False], got[True]
+    assert statistics.median(fresh) > 1000, got  # one fp32 copy of the model: 4,600 pages
+    # none in most steps (the heap still grows now and then to a new high-water mark)
+    assert statistics.median(kept_faults) < 10 and sum(kept_faults) < 0.3 * sum(fresh), got

@@ -126,7 +126,9 @@ def connect(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[str]:
         # a notebook or test session that already started Ray: use it, leave it running
         yield "the Ray session already running in this process"
         return
-    env = dict(WORKER_ENV)
+    from elastic.train.allocator import worker_malloc_env
+
+    env = {**WORKER_ENV, **worker_malloc_env(os.environ)}
     if scaling.use_gpu:
         env["DS_ACCELERATOR"] = "cuda"
     # a user's formats and models (README "Bring your own dataset or model") must import
