@@ -134,7 +134,7 @@ def measure(args: argparse.Namespace) -> dict:
     stages = _stages(args.zero_stages)
     cfg = smoke_config([f"strategy.zero_stage={stages[0]}", *args.overrides])
     prepare_data(cfg)
-    runs = [("ddp", None)]
+    runs: list[tuple[str, int | None]] = [("ddp", None)]
     for s in stages:
         runs += [("elastic", s), ("deepspeed", s)]
     rounds = []
@@ -225,11 +225,11 @@ def measure(args: argparse.Namespace) -> dict:
             "cpus": os.cpu_count(),
         },
     }
-    for s, v in by_stage.items():
+    for name, v in by_stage.items():
         low, high = v["ratio_ci_low"], v["ratio_ci_high"]
         interval = "one round: no interval" if high is None else f"95% {low:.3f}-{high:.3f}"
         print(
-            f"overhead ZeRO-{s}: elastic {v['elastic_step_s'] * 1e3:.2f} ms/step vs "
+            f"overhead ZeRO-{name}: elastic {v['elastic_step_s'] * 1e3:.2f} ms/step vs "
             f"{v['peer']} {v['peer_step_s'] * 1e3:.2f}: ratio {v['ratio']:.3f} ({interval}; "
             f"target <= {STEP_RATIO_TARGET:.2f} over the whole interval); vs DDP "
             f"{v['vs_ddp']['ratio']:.3f}, vs DeepSpeed {v['vs_deepspeed']['ratio']:.3f}, "
