@@ -23,11 +23,13 @@ REBALANCE_VS_IDEAL_TARGET = 0.9  # rebalance's samples/s over the ideal, at leas
 # Rows a step large against the model, so that a step's compute grows with its rows and
 # dominates its gradient all-reduce, as on GPUs: here the slowed core slows the slowed
 # rank's side of the all-reduce too, which no split of the rows can move (at 2,048 rows
-# a step the all-reduce was ~25% of a rebalanced step, at 16,384 ~5%). With a 1024-wide
-# MLP and 128 rows a worker, fixed costs per step (optimizer, Python) made a half-speed
-# worker's step hardly shorter with fewer rows.
-BATCH = 16384
-ROWS = 131072
+# a step the all-reduce was ~25% of a rebalanced step, at 16,384 ~5%; at 32,768, one
+# round on 2026-12-04: 1.34x lock-step and 0.91 of the ideal, where 16,384 had given
+# 1.22x and 0.86 in three rounds the day before).
+# With a 1024-wide MLP and 128 rows a worker, fixed costs per step (optimizer, Python)
+# made a half-speed worker's step hardly shorter with fewer rows.
+BATCH = 32768
+ROWS = 262144
 MODEL = [
     "+experiment=smoke",
     "model.input_dim=64",
@@ -43,7 +45,7 @@ MODEL = [
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--steps", type=int, default=160)
+    p.add_argument("--steps", type=int, default=120)
     p.add_argument("--log-every", type=int, default=5)
 
 
