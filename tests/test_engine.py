@@ -79,7 +79,12 @@ def _reference(clip: float) -> list[list[float]]:
     return [p.detach().flatten().tolist() for p in model.parameters()]
 
 
-def _rank(rank: int, port: int, out: str) -> None:
+def _join_two_ranks(rank: int, port: int) -> None:
+    """This spawned process as ``rank`` of a 2-rank gloo group, DeepSpeed on it."""
+    import torch.distributed as dist
+
+    from elastic.train.engine import init_distributed
+
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -90,14 +95,18 @@ def _rank(rank: int, port: int, out: str) -> None:
         DS_ACCELERATOR="cpu",
     )
     torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    init_distributed(False)
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    _join_two_ranks(rank, port)
     import deepspeed
     import torch.distributed as dist
 
     from elastic.train.batch import BatchPlan
-    from elastic.train.engine import build_engine, init_distributed
+    from elastic.train.engine import build_engine
 
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    init_distributed(False)
     x, y = _batch()
     mine = slice(rank * GLOBAL // 2, (rank + 1) * GLOBAL // 2)
     results = {}
@@ -149,25 +158,14 @@ def _faults_rank(rank: int, port: int, out: str) -> None:
     """Minor page faults of each ZeRO-2 step after 5 to warm up, in this process."""
     import resource
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE="2",
-        DS_ACCELERATOR="cpu",
-    )
-    torch.set_num_threads(1)
+    _join_two_ranks(rank, port)
     import torch.distributed as dist
 
     from elastic.config.schema import DataConfig, StrategyConfig, TrainConfig
     from elastic.models.mlp import MLPConfig
     from elastic.train.batch import BatchPlan
-    from elastic.train.engine import build_engine, init_distributed
+    from elastic.train.engine import build_engine
 
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    init_distributed(False)
     cfg = TrainConfig(  # the smoke model: 4.7M parameters
         model=MLPConfig(input_dim=256, hidden_dims=[2048, 2048], output_dim=16),
         data=DataConfig(path="unused", global_batch_size=16),
