@@ -144,3 +144,80 @@ def test_the_overhead_interval_is_students_t_over_the_rounds_log_ratios():
     assert ratio == pytest.approx(math.exp(mean))
     assert (low, high) == pytest.approx((math.exp(lo), math.exp(hi)), rel=1e-3)
     assert ratio_interval([1.1])[1:] == (None, None)
+
+
+def _hetero_runs(lockstep, rebalance, alone_fast, alone_slow):
+    """The four runs of a hetero round as ``hetero._run`` returns them: 20 log intervals
+    of 5 steps at one samples/s each, the rebalance run's one move at step 15."""
+    runs = {}
+    for name, rate in (
+        ("lockstep", lockstep),
+        ("rebalance", rebalance),
+        ("alone_fast", alone_fast),
+        ("alone_slow", alone_slow),
+    ):
+        runs[name] = {
+            "slowed_cpu_share": None if name == "alone_fast" else 0.5,
+            "rebalances": [],
+            "intervals": [(s, float(rate)) for s in range(5, 105, 5)],
+        }
+    runs["rebalance"]["rebalances"] = [{"step": 15, "rows": [12000, 20768]}]
+    return runs
+
+
+def test_a_hetero_round_faster_than_its_ideal_is_refused_and_left_out_of_the_verdict(
+    capsys,
+):
+    """The ideal (each worker alone, summed) bounds any 2-worker run sharing the machine;
+    a round whose rebalanced run beats it has alone runs that are no reference: refused
+    in one line, named in the JSON, left out of the figures; with no valid round, no
+    figure and no verdict ("met" False, the table says refused)."""
+    from elastic.bench import hetero
+
+    good = hetero._round(_hetero_runs(24_000, 32_000, 23_000, 12_500))
+    beyond = hetero._round(_hetero_runs(24_000, 43_000, 25_000, 12_600))
+    assert good["valid"] and not beyond["valid"]
+    assert "43,000" in beyond["refused_because"] and "37,600" in beyond["refused_because"]
+
+    report = hetero._report([good, beyond], steps=100)
+    assert report["valid_rounds"] == 1
+    assert report["refused_rounds"] == [{"round": 1, "because": beyond["refused_because"]}]
+    # the figures are the valid round's alone: 32,000 / 24,000 and 32,000 / 35,500
+    assert report["rebalance_vs_lockstep_min"] == report["rebalance_vs_lockstep_max"]
+    assert abs(report["rebalance_vs_lockstep"] - 32_000 / 24_000) < 1e-9
+    assert abs(report["rebalance_vs_ideal"] - 32_000 / 35_500) < 1e-9
+    assert report["met"] is True  # 1.33 >= 1.3 and 0.90 >= 0.9
+    assert "round 1 refused: rebalance 43,000 samples/s above" in capsys.readouterr().out
+
+    none = hetero._report([beyond], steps=100)
+    assert none["valid_rounds"] == 0 and none["met"] is False
+    assert none["rebalance_vs_ideal"] is None and none["rebalance_vs_lockstep_min"] is None
+    json.dumps(none)  # bench.py writes it as it is
+    assert "no valid round of 1" in capsys.readouterr().out
+    rows = [r for r in markdown_table({"hetero": none}).splitlines() if "slowed ~2x" in r]
+    assert len(rows) == 2 and all("refused: no valid round of 1" in r for r in rows)
+    assert all(r.rstrip(" |").endswith("NOT met") for r in rows)
+
+
+def test_the_slowed_workers_core_share_is_measured_beside_its_spinner():
+    """``Slowdown`` pins a busy process beside the slowed one at its niceness: the
+    scheduler then gives each about half of that core, which the hetero bench records
+    for every run (``slowed_cpu_share``) to tell a slowdown that was not 2x."""
+    import os
+
+    from elastic.bench import hetero
+    from elastic.cluster.localcluster import Slowdown
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("slowing one process down needs 2 CPUs")
+    busy_3s = "import time\nt = time.time()\nwhile time.time() - t < 3: pass"
+    worker = subprocess.Popen([sys.executable, "-c", busy_3s])
+    slowdown = Slowdown(busy=1)
+    try:
+        slowdown.apply([worker.pid])
+        share = hetero._cpu_share(worker, worker.pid, slowdown.busy[0].pid, timeout=30)
+    finally:
+        slowdown.stop()
+        worker.kill()
+        worker.wait()
+    assert share is not None and 0.35 < share < 0.65, share

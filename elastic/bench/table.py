@@ -148,24 +148,34 @@ def _table_rows(results: dict) -> list[tuple[str, str, str, str, str, str]]:
         ))  # fmt: skip
     if h := results.get("hetero"):
         t = h["targets"]
-        rows.append((
-            "samples/s, 2 workers, one slowed ~2x: rebalance vs lock-step",
-            f"{h['rebalance_samples_per_s']:,.0f}",
-            f"{h['lockstep_samples_per_s']:,.0f} (lock-step, stragglers.policy=report)",
-            f"{h['rebalance_vs_lockstep']:.2f} (rounds {h['rebalance_vs_lockstep_min']:.2f}-"
-            f"{h['rebalance_vs_lockstep_max']:.2f})",
-            f">= {t['rebalance_vs_lockstep']}",
-            _verdict(h["rebalance_vs_lockstep_min"] >= t["rebalance_vs_lockstep"]),
-        ))  # fmt: skip
-        rows.append((
-            "samples/s, the same: rebalance vs the ideal",
-            f"{h['rebalance_samples_per_s']:,.0f}",
-            f"{h['ideal_samples_per_s']:,.0f} (each worker's samples/s alone, summed)",
-            f"{h['rebalance_vs_ideal']:.2f} (rounds {h['rebalance_vs_ideal_min']:.2f}-"
-            f"{h['rebalance_vs_ideal_max']:.2f})",
-            f">= {t['rebalance_vs_ideal']}",
-            _verdict(h["rebalance_vs_ideal_min"] >= t["rebalance_vs_ideal"]),
-        ))  # fmt: skip
+        if h["rebalance_samples_per_s"] is None:  # every round refused (hetero._round)
+            refused = f"refused: no valid round of {len(h['rounds'])}"
+            for figure in ("rebalance vs lock-step", "the same: rebalance vs the ideal"):
+                rows.append((
+                    f"samples/s, 2 workers, one slowed ~2x: {figure}", refused, "", "", "",
+                    "NOT met",
+                ))  # fmt: skip
+        else:
+            of = f" of {len(h['rounds'])}" if "valid_rounds" in h else ""
+            rounds = f"{h.get('valid_rounds', len(h['rounds']))} valid rounds{of}"
+            rows.append((
+                "samples/s, 2 workers, one slowed ~2x: rebalance vs lock-step",
+                f"{h['rebalance_samples_per_s']:,.0f}",
+                f"{h['lockstep_samples_per_s']:,.0f} (lock-step, stragglers.policy=report)",
+                f"{h['rebalance_vs_lockstep']:.2f} ({rounds}: "
+                f"{h['rebalance_vs_lockstep_min']:.2f}-{h['rebalance_vs_lockstep_max']:.2f})",
+                f">= {t['rebalance_vs_lockstep']}",
+                _verdict(h["rebalance_vs_lockstep_min"] >= t["rebalance_vs_lockstep"]),
+            ))  # fmt: skip
+            rows.append((
+                "samples/s, the same: rebalance vs the ideal",
+                f"{h['rebalance_samples_per_s']:,.0f}",
+                f"{h['ideal_samples_per_s']:,.0f} (each worker's samples/s alone, summed)",
+                f"{h['rebalance_vs_ideal']:.2f} ({rounds}: "
+                f"{h['rebalance_vs_ideal_min']:.2f}-{h['rebalance_vs_ideal_max']:.2f})",
+                f">= {t['rebalance_vs_ideal']}",
+                _verdict(h["rebalance_vs_ideal_min"] >= t["rebalance_vs_ideal"]),
+            ))  # fmt: skip
     if m := results.get("memory"):
         by: dict[tuple[str, int], list[dict]] = {}
         for row in m["rows"]:
