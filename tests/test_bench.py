@@ -157,7 +157,8 @@ def _hetero_runs(lockstep, rebalance, alone_fast, alone_slow):
         ("alone_slow", alone_slow),
     ):
         runs[name] = {
-            "slowed_cpu_share": None if name == "alone_fast" else 0.5,
+            "cpu_use": [1.0] if name == "alone_fast" else [0.5, 1.0][: 1 + (name[0] != "a")],
+            "slowdown_method": None if name == "alone_fast" else "cgroup cpu quota: 0.5 of a core",
             "rebalances": [],
             "intervals": [(s, float(rate)) for s in range(5, 105, 5)],
         }
@@ -199,25 +200,34 @@ def test_a_hetero_round_faster_than_its_ideal_is_refused_and_left_out_of_the_ver
     assert all(r.rstrip(" |").endswith("NOT met") for r in rows)
 
 
-def test_the_slowed_workers_core_share_is_measured_beside_its_spinner():
-    """``Slowdown`` pins a busy process beside the slowed one at its niceness: the
-    scheduler then gives each about half of that core, which the hetero bench records
-    for every run (``slowed_cpu_share``) to tell a slowdown that was not 2x."""
+@pytest.mark.parametrize("method", ["quota", "spinner"])
+def test_a_slowed_process_gets_half_a_core_and_the_bench_measures_it(method):
+    """The hetero bench's two ways to slow a worker 2x for real, each measured by what
+    the bench records for every run (``cpu_use``: CPU seconds per wall second): a
+    cgroup CPU quota of half a core (``Throttle``; root with a writable cpu cgroup) and
+    a busy process beside it on its core at its niceness (``Slowdown``). A process
+    that never sleeps gets about half a core under either, and a free one about all."""
     import os
 
     from elastic.bench import hetero
-    from elastic.cluster.localcluster import Slowdown
+    from elastic.cluster.localcluster import CPU_CGROUP, Slowdown, Throttle
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("slowing one process down needs 2 CPUs")
+    if method == "quota" and not Throttle.available():
+        pytest.skip(f"no writable cpu cgroup at {CPU_CGROUP} (not root?)")
     busy_3s = "import time\nt = time.time()\nwhile time.time() - t < 3: pass"
-    worker = subprocess.Popen([sys.executable, "-c", busy_3s])
-    slowdown = Slowdown(busy=1)
+    slowed, free = (subprocess.Popen([sys.executable, "-c", busy_3s]) for _ in range(2))
+    slowdown = Throttle() if method == "quota" else Slowdown(busy=1)
     try:
-        slowdown.apply([worker.pid])
-        share = hetero._cpu_share(worker, worker.pid, slowdown.busy[0].pid, timeout=30)
+        slowdown.apply([slowed.pid], [free.pid])
+        use = hetero._cpu_use(slowed, [slowed.pid, free.pid], timeout=30)
     finally:
         slowdown.stop()
-        worker.kill()
-        worker.wait()
-    assert share is not None and 0.35 < share < 0.65, share
+        for p in (slowed, free):
+            p.kill()
+            p.wait()
+    assert use[0] is not None and 0.35 < use[0] < 0.65, use
+    assert use[1] is not None and use[1] > 0.8, use
+    if method == "quota":
+        assert not os.path.exists(slowdown.path), "the cgroup outlived stop()"

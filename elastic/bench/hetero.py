@@ -1,5 +1,8 @@
-"""hetero: 2 workers, one slowed about 2x for real (``localcluster.Slowdown``: pinned to a
-core beside a busy-looping process), in lock-step (``stragglers.policy=report``) and
+"""hetero: 2 workers, one slowed about 2x for real (``localcluster.Throttle``: a cgroup CPU
+quota of half a core, where the cpu cgroup is writable, as for root; else
+``localcluster.Slowdown``: pinned to a core beside a busy-looping process, a noisy
+neighbour rather than a slow node, under which rounds came out above their ideal and
+were refused), in lock-step (``stragglers.policy=report``) and
 with ``rebalance``; the ideal is the sum of each worker's samples/s measured alone (a
 1-worker run on the fast core, one on the slowed core, each with half the global
 batch). Every run's samples/s is the median of its log intervals after the rebalance
@@ -8,9 +11,9 @@ which goes first; medians and each ratio's range over the rounds, the verdict on
 lowest valid round. A round whose rebalanced pair beats the ideal (two workers sharing
 the machine faster than the sum of each alone) is refused: its alone runs were not a
 trustworthy reference (the machine's speed drifted, or the slowdown was not the same
-in the pair as alone: each run records the slowed worker's measured share of its core
-beside its spinner, ``slowed_cpu_share``). Writes bench-hetero.json (each round's log
-intervals too, refused rounds with their reason)."""
+in the pair as alone: each run records each worker's CPU seconds per second,
+``cpu_use``, and how the slowdown was made, ``slowdown_method``). Writes
+bench-hetero.json (each round's log intervals too, refused rounds with their reason)."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from elastic.cluster.localcluster import Run, Slowdown, train_workers_under
+from elastic.cluster.localcluster import Run, Slowdown, Throttle, train_workers_under
 
 HELP = "one worker slowed 2x: lock-step vs rebalance vs the ideal"
 REBALANCE_VS_LOCKSTEP_TARGET = 1.3  # rebalance's samples/s over lock-step's, at least
@@ -124,7 +127,14 @@ def _report(rounds: list[dict], steps: int) -> dict:
             },
             "verdict_on": "the lowest valid round",
             "runs": rounds[-1]["runs"] if rounds else {},
-            "setup": {"model": MODEL, "global_batch": BATCH, "steps": steps},
+            "setup": {
+                "model": MODEL,
+                "global_batch": BATCH,
+                "steps": steps,
+                "slowdown": next(
+                    (r["runs"]["alone_slow"]["slowdown_method"] for r in rounds), None
+                ),
+            },
         }
     )
     for r in report["refused_rounds"]:
@@ -132,7 +142,7 @@ def _report(rounds: list[dict], steps: int) -> dict:
     if not valid:
         print(
             f"hetero: no valid round of {len(rounds)}: no figure and no verdict "
-            "(rerun; see each round's slowed_cpu_share in bench-hetero.json)"
+            "(rerun; see each run's cpu_use in bench-hetero.json)"
         )
         return report
     print(
@@ -164,11 +174,11 @@ def _round(runs: dict[str, dict]) -> dict:
     ideal = rate["alone_fast"] + rate["alone_slow"]
     refused = None
     if rate["rebalance"] > IDEAL_CEILING * ideal:
-        shares = {k: r.get("slowed_cpu_share") for k, r in runs.items() if k != "alone_fast"}
+        use = {k: r.get("cpu_use") for k, r in runs.items()}
         refused = (
             f"rebalance {rate['rebalance']:,.0f} samples/s above its ideal {ideal:,.0f} "
             f"(alone {rate['alone_fast']:,.0f} + {rate['alone_slow']:,.0f}): the alone runs "
-            f"are no reference for this round (slowed worker's share of its core: {shares})"
+            f"are no reference for this round (each worker's CPU s per s, slowed first: {use})"
         )
     return {
         "valid": refused is None,
@@ -192,7 +202,7 @@ def _run(workdir: str, label: str, overrides: list[str], slow_one: bool) -> dict
     """A run with its first worker slowed (``slow_one``) or pinned alone to the other
     core; its summary's figures and its log intervals."""
     run = Run(Path(workdir), label, overrides)
-    slowdown = Slowdown(busy=1)
+    slowdown: Throttle | Slowdown = Throttle() if Throttle.available() else Slowdown(busy=1)
     try:
         world = 2 if "scaling.workers=2" in overrides else 1
         pids = run.wait_for(
@@ -203,7 +213,8 @@ def _run(workdir: str, label: str, overrides: list[str], slow_one: bool) -> dict
             slowdown.apply(pids[:1], pids[1:])
         else:
             slowdown.apply([], pids)
-        share = _cpu_share(run.proc, pids[0], slowdown.busy[0].pid, timeout=900)
+        use = _cpu_use(run.proc, pids, timeout=900)
+        throttled = slowdown.throttled_s() if isinstance(slowdown, Throttle) else None
         rc = run.finish(timeout=60)
     finally:
         slowdown.stop()
@@ -213,7 +224,9 @@ def _run(workdir: str, label: str, overrides: list[str], slow_one: bool) -> dict
         raise RuntimeError(f"{label} run failed ({rc}):\n{run.output()[-3000:]}")
     summary = run.summary()
     return {
-        "slowed_cpu_share": share if slow_one else None,
+        "slowdown_method": slowdown_method(slowdown) if slow_one else None,
+        "cpu_use": use,  # pids[0] first: the slowed worker where one is
+        "throttled_s": throttled if slow_one else None,
         "samples_per_s": summary["samples_per_s"],
         "workers": summary["workers"],
         "slowest_median_ratio": summary["slowest_median_ratio"],
@@ -234,28 +247,41 @@ def _rate(intervals: list[tuple[int, float]], after: int) -> float:
     return statistics.median(rates or [v for _, v in intervals])
 
 
-def _cpu_share(run: subprocess.Popen, worker: int, spinner: int, timeout: float) -> float | None:
-    """Until ``run`` (the run's driver) ends: the share of the CPU time that ``worker``
-    took of the CPU time it and ``spinner`` (on one core: the slowed worker and its busy
-    neighbour) took from now to the worker's last sample (about 1 / 2 where the slowdown
-    is the intended 2x; None when the worker ended before a second sample)."""
+def slowdown_method(slowdown: Throttle | Slowdown) -> str:
+    if isinstance(slowdown, Throttle):
+        return f"cgroup cpu quota: {slowdown.fraction} of a core"
+    return f"busy neighbour: {len(slowdown.busy)} spinning process(es) on its core"
+
+
+def _cpu_use(run: subprocess.Popen, pids: list[int], timeout: float) -> list[float | None]:
+    """Until ``run`` (the run's driver) ends: each of ``pids``' CPU seconds per wall
+    second, from now to its last sample (about 0.5 for a worker slowed 2x, near 1 for
+    one alone on its core that never waits; None for one that ended before a second
+    sample)."""
 
     def cpu(pid: int) -> float:
         t = psutil.Process(pid).cpu_times()
         return t.user + t.system
 
-    try:
-        w0, s0 = cpu(worker), cpu(spinner)
-    except psutil.Error:
-        return None
-    last = None
+    start: dict[int, tuple[float, float]] = {}
+    for pid in pids:
+        try:
+            start[pid] = (time.monotonic(), cpu(pid))
+        except psutil.Error:
+            continue
+    last: dict[int, tuple[float, float]] = {}
     deadline = time.monotonic() + timeout
     while run.poll() is None and time.monotonic() < deadline:
-        try:
-            last = cpu(worker) - w0, cpu(spinner) - s0
-        except psutil.Error:
-            break  # the worker ended: its last sample stands
+        for pid in list(start):
+            try:
+                last[pid] = (time.monotonic(), cpu(pid))
+            except psutil.Error:
+                continue  # it ended: its last sample stands
         time.sleep(1.0)
-    if last is None or sum(last) <= 0:
-        return None
-    return last[0] / sum(last)
+    out: list[float | None] = []
+    for pid in pids:
+        if pid not in last or last[pid][0] <= start[pid][0]:
+            out.append(None)
+            continue
+        out.append((last[pid][1] - start[pid][1]) / (last[pid][0] - start[pid][0]))
+    return out

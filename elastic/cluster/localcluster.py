@@ -316,6 +316,78 @@ def pin(pid: int, cpu: int) -> None:
             continue
 
 
+CPU_CGROUP = "/sys/fs/cgroup/cpu"  # cgroup v1's cpu controller, where it is mounted
+
+
+class Throttle:
+    """Makes processes really slower at a fixed rate: a cgroup v1 CPU quota (``fraction``
+    of one CPU per ``period_us``) on them, pinned to one CPU, and ``fast`` ones pinned to
+    another. Unlike :class:`Slowdown`'s busy neighbour, whose share of the core follows
+    how often the slowed process sleeps, the quota holds whatever the process does: a
+    slow node, not a noisy neighbour. Needs a writable cpu cgroup (root here;
+    :meth:`available`). :meth:`stop` moves the processes back and removes the cgroup."""
+
+    def __init__(self, fraction: float = 0.5, period_us: int = 10_000) -> None:
+        if not 0 < fraction < 1:
+            raise ValueError(f"Throttle: fraction {fraction} is not in (0, 1)")
+        if not self.available():
+            raise RuntimeError(f"Throttle: {CPU_CGROUP} is not a writable cpu cgroup")
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise RuntimeError("slowing one worker down needs 2 CPUs")
+        self.fast_cpu, self.slow_cpu = cpus[0], cpus[1]
+        self.fraction = fraction
+        self.path = os.path.join(CPU_CGROUP, f"elastic-throttle-{os.getpid()}-{time.time_ns()}")
+        os.mkdir(self.path)
+        self._write("cpu.cfs_period_us", period_us)
+        self._write("cpu.cfs_quota_us", int(fraction * period_us))
+        self.slowed: list[int] = []
+
+    @staticmethod
+    def available() -> bool:
+        return os.access(os.path.join(CPU_CGROUP, "cpu.cfs_quota_us"), os.W_OK) and os.access(
+            CPU_CGROUP, os.W_OK
+        )
+
+    def _write(self, name: str, value: int, path: str | None = None) -> None:
+        with open(os.path.join(path or self.path, name), "w") as f:
+            f.write(str(value))
+
+    def apply(self, slow: list[int], fast: list[int] | None = None) -> None:
+        """Put every thread of ``slow`` under the quota (threads started later inherit
+        it) on one CPU, and ``fast`` on the other, pinned twice half a second apart."""
+        for pid in slow:
+            self._write("cgroup.procs", pid)
+            self.slowed.append(pid)
+        for _ in range(2):
+            for pid in slow:
+                pin(pid, self.slow_cpu)
+            for pid in fast or []:
+                pin(pid, self.fast_cpu)
+            time.sleep(0.5)
+
+    def throttled_s(self) -> float:
+        """Seconds the quota has held the processes back so far (cpu.stat)."""
+        with open(os.path.join(self.path, "cpu.stat")) as f:
+            stat = dict(line.split() for line in f)
+        return int(stat.get("throttled_time", 0)) / 1e9
+
+    def stop(self) -> None:
+        for pid in self.slowed:
+            try:
+                self._write("cgroup.procs", pid, CPU_CGROUP)
+            except OSError:  # it ended
+                continue
+        for _ in range(50):  # threads that just ended leave it a moment later
+            try:
+                os.rmdir(self.path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
 class Slowdown:
     """Makes processes really slower: pins them to one CPU beside ``busy`` processes
     that spin on it (each then gets 1 / (busy + 1) of the CPU), and pins ``fast`` ones
