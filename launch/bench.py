@@ -5,7 +5,7 @@
     python launch/bench.py chaos [--seed 0] [--epochs 20]
     python launch/bench.py ingest [--rounds 2] [--epochs 3]
     python launch/bench.py memory [--stages 0 1 2 3] [--worlds 1 2 3]
-    python launch/bench.py hetero [--steps 200]
+    python launch/bench.py hetero [--rounds 2] [--steps 120]
     python launch/bench.py gpu [--steps 300] [--cpu-check]
     python launch/bench.py startup [--rounds 2] [--steps 20]
     python launch/bench.py all [--quick] [--skip NAME ...]
