@@ -316,6 +316,17 @@ def pin(pid: int, cpu: int) -> None:
             continue
 
 
+def pin_apart(slow: list[int], slow_cpu: int, fast: list[int], fast_cpu: int) -> None:
+    """Pin ``slow`` to ``slow_cpu`` and ``fast`` to ``fast_cpu``, twice half a second
+    apart (threads started meanwhile by threads not yet pinned)."""
+    for _ in range(2):
+        for pid in slow:
+            pin(pid, slow_cpu)
+        for pid in fast:
+            pin(pid, fast_cpu)
+        time.sleep(0.5)
+
+
 CPU_CGROUP = "/sys/fs/cgroup/cpu"  # cgroup v1's cpu controller, where it is mounted
 
 
@@ -359,12 +370,7 @@ class Throttle:
         for pid in slow:
             self._write("cgroup.procs", pid)
             self.slowed.append(pid)
-        for _ in range(2):
-            for pid in slow:
-                pin(pid, self.slow_cpu)
-            for pid in fast or []:
-                pin(pid, self.fast_cpu)
-            time.sleep(0.5)
+        pin_apart(slow, self.slow_cpu, fast or [], self.fast_cpu)
 
     def throttled_s(self) -> float:
         """Seconds the quota has held the processes back so far (cpu.stat)."""
@@ -413,12 +419,7 @@ class Slowdown:
             nice = psutil.Process(slow[0]).nice()
             for p in self.busy:
                 psutil.Process(p.pid).nice(nice)
-        for _ in range(2):
-            for pid in slow:
-                pin(pid, self.slow_cpu)
-            for pid in fast or []:
-                pin(pid, self.fast_cpu)
-            time.sleep(0.5)
+        pin_apart(slow, self.slow_cpu, fast or [], self.fast_cpu)
 
     def stop(self) -> None:
         for p in self.busy:
