@@ -157,7 +157,7 @@ def _hetero_runs(lockstep, rebalance, alone_fast, alone_slow):
         ("alone_slow", alone_slow),
     ):
         runs[name] = {
-            "cpu_use": [1.0] if name == "alone_fast" else [0.5, 1.0][: 1 + (name[0] != "a")],
+            "cpu_use": {"alone_fast": [1.0], "alone_slow": [0.5]}.get(name, [0.5, 1.0]),
             "slowdown_method": None if name == "alone_fast" else "cgroup cpu quota: 0.5 of a core",
             "rebalances": [],
             "intervals": [(s, float(rate)) for s in range(5, 105, 5)],

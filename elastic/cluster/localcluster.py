@@ -333,9 +333,9 @@ CPU_CGROUP = "/sys/fs/cgroup/cpu"  # cgroup v1's cpu controller, where it is mou
 class Throttle:
     """Makes processes really slower at a fixed rate: a cgroup v1 CPU quota (``fraction``
     of one CPU per ``period_us``) on them, pinned to one CPU, and ``fast`` ones pinned to
-    another. Unlike :class:`Slowdown`'s busy neighbour, whose share of the core follows
-    how often the slowed process sleeps, the quota holds whatever the process does: a
-    slow node, not a noisy neighbour. Needs a writable cpu cgroup (root here;
+    another: a slow node, not :class:`Slowdown`'s noisy neighbour (under which the hetero
+    bench's rebalanced pair came out above the ideal of its alone runs; under the quota
+    it did not). Needs a writable cpu cgroup (root here;
     :meth:`available`). :meth:`stop` moves the processes back and removes the cgroup."""
 
     def __init__(self, fraction: float = 0.5, period_us: int = 10_000) -> None:
