@@ -5,11 +5,19 @@ end of an epoch the notes are gathered to rank 0 and merged into a packed bitmap
 epoch (1 bit per sample: 12.5 MB for 10^8 samples), which goes into the checkpoint. A
 sample seen twice is counted, not hidden. The bitmap in the checkpoint a run resumes from
 is exactly the set of samples in the surviving model state, so the resumed run skips it.
+
+Rank 0 does this while every other rank waits at the checkpoint, so its cost is per id
+and small (``bench.py scale``, docs/performance.md#scale): a merge sorts the ids (numpy
+2.4's hash-based ``np.unique`` took 40x longer on millions of ids) and sets each byte's
+bits at once; a bitmap of random bits (any epoch under way) is stored as it is, since
+deflating 10^9 ids' worth took 5 s to save nothing.
 """
 
 from __future__ import annotations
 
 import io
+import zipfile
+import zlib
 from typing import Any
 
 import numpy as np
@@ -48,11 +56,16 @@ class SampleLedger:
             self.bitmap = np.concatenate(
                 [self.bitmap, np.zeros(need - self.bitmap.shape[0], np.uint8)]
             )
-        unique = np.unique(ids)
+        ordered = np.sort(ids)
+        unique = ordered[np.r_[True, ordered[1:] != ordered[:-1]]]
         already = self.contains(unique)
         self.duplicates += int(len(ids) - len(unique)) + int(already.sum())
-        fresh = unique[~already]
-        np.bitwise_or.at(self.bitmap, fresh >> 3, (1 << (7 - (fresh & 7))).astype(np.uint8))
+        fresh = unique[~already]  # ascending: each byte's ids side by side
+        if len(fresh):
+            byte = fresh >> 3
+            bits = (1 << (7 - (fresh & 7))).astype(np.uint8)
+            starts = np.flatnonzero(np.r_[True, byte[1:] != byte[:-1]])
+            self.bitmap[byte[starts]] |= np.bitwise_or.reduceat(bits, starts)
         self.trained += len(fresh)
 
     def contains(self, ids: np.ndarray) -> np.ndarray:
@@ -88,11 +101,30 @@ class SampleLedger:
         self.closed_epochs = [dict(r) for r in state["closed_epochs"]]
 
     def bitmaps_bytes(self) -> bytes:
+        """Both bitmaps as an npz (what ``np.load`` reads), each deflated only where
+        that pays (:func:`_compressible`)."""
         buf = io.BytesIO()
-        np.savez_compressed(buf, epoch=self.bitmap, last_closed=self.last_closed_bitmap)
+        with zipfile.ZipFile(buf, "w") as z:
+            for name, bitmap in (("epoch", self.bitmap), ("last_closed", self.last_closed_bitmap)):
+                member = io.BytesIO()
+                np.lib.format.write_array(member, bitmap, allow_pickle=False)
+                how = zipfile.ZIP_DEFLATED if _compressible(bitmap) else zipfile.ZIP_STORED
+                z.writestr(f"{name}.npy", member.getvalue(), compress_type=how, compresslevel=1)
         return buf.getvalue()
 
     def load_bitmaps(self, data: bytes) -> None:
         with np.load(io.BytesIO(data)) as z:
             self.bitmap = z["epoch"].astype(np.uint8)
             self.last_closed_bitmap = z["last_closed"].astype(np.uint8)
+
+
+def _compressible(bitmap: np.ndarray, chunks: int = 16, chunk_bytes: int = 4096) -> bool:
+    """Whether deflating ``bitmap`` would save a fifth or more, judged on ``chunks``
+    pieces spread over it: a closed epoch's (all ones) or a sparse id range's would; the
+    random bits of an epoch under way would not."""
+    if bitmap.nbytes <= chunks * chunk_bytes:
+        sample = bitmap.tobytes()
+    else:
+        at = np.linspace(0, bitmap.nbytes - chunk_bytes, chunks).astype(np.int64)
+        sample = b"".join(bitmap[a : a + chunk_bytes].tobytes() for a in at)
+    return len(zlib.compress(sample, 1)) < 0.8 * max(1, len(sample))
