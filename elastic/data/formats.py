@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from elastic.data.footers import footer, integer_ranges
 from elastic.data.shards import ID_COLUMN, list_shards
 from elastic.errors import ConfigError
 from elastic.plugins import load_plugins
@@ -92,7 +92,7 @@ class DataFormat:
     def input_width(self, cfg: DataConfig, files: list[str]) -> int | None:
         """The model input's width when the data fixes it (checked against the model
         before Ray starts), else None."""
-        field_type = pq.read_schema(files[0]).field(cfg.input_column).type
+        field_type = footer(files[0]).schema.field(cfg.input_column).type
         return field_type.list_size if pa.types.is_fixed_size_list(field_type) else None
 
     def input_shape(self, cfg: DataConfig, model: Any) -> tuple[int, ...]:
@@ -132,7 +132,7 @@ class DataFormat:
         if task == "vae":
             return  # the input is the target
         col, where = cfg.target_column, f"column {cfg.target_column!r} in {cfg.path}"
-        field_type = pq.read_schema(files[0]).field(col).type
+        field_type = footer(files[0]).schema.field(col).type
         is_list = pa.types.is_fixed_size_list(field_type)
         value_type = field_type.value_type if is_list else field_type
         width = field_type.list_size if is_list else 1
@@ -182,15 +182,11 @@ def _integer_range(files: list[str], column: str) -> tuple[int | None, int | Non
     """Smallest and largest value of an integer column, from the row-group statistics
     (None when a shard has none: then unchecked, rather than reading every row)."""
     low = high = None
-    for f in files:
-        meta = pq.read_metadata(f)
-        index = meta.schema.to_arrow_schema().get_field_index(column)
-        for g in range(meta.num_row_groups):
-            stats = meta.row_group(g).column(index).statistics
-            if stats is None or not stats.has_min_max:
-                return None, None
-            low = stats.min if low is None else min(low, stats.min)
-            high = stats.max if high is None else max(high, stats.max)
+    for found in integer_ranges(files, column):
+        if found is None:
+            return None, None
+        low = found[0] if low is None else min(low, found[0])
+        high = found[1] if high is None else max(high, found[1])
     return low, high
 
 

@@ -70,13 +70,9 @@ class Layout:
 
     @classmethod
     def of_files(cls, files: list[str]) -> Layout:
-        import pyarrow.parquet as pq
+        from elastic.data.footers import footers
 
-        out = []
-        for path in files:
-            meta = pq.read_metadata(path)
-            out.append(tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups)))
-        return cls(tuple(out))
+        return cls(tuple(f.rows for f in footers(files)))
 
     def groups(self) -> list[tuple[int, int, int]]:
         """Every non-empty row group as (file, group, rows), in file order."""

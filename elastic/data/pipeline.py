@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 
 from elastic.config.schema import DataConfig
 from elastic.data.assemble import GROUP_COLUMNS
+from elastic.data.footers import footer
 from elastic.data.formats import Finisher, data_format
 from elastic.data.shards import ID_COLUMN, Split
 
@@ -93,7 +94,7 @@ def planned_dataset(
     import ray.data
     from ray.data import ExecutionOptions
 
-    columns = read_columns(cfg, pq.read_schema(files[0]))
+    columns = read_columns(cfg, footer(files[0]).schema)
     source = _row_group_source(files, reads, columns, decoded_row_bytes(cfg, files))
     remote_args = remote_args or {}
     ds = ray.data.read_datasource(
@@ -135,12 +136,11 @@ def _row_group_source(
     from ray.data.block import BlockMetadata
     from ray.data.datasource import Datasource, ReadTask
 
-    footers = {f: pq.read_metadata(files[f]) for f in {f for f, _ in reads}}
     runs: list[list[tuple[int, int, int]]] = []
     size, cap = 0.0, FIRST_TASK_BYTES // 2
     for i, (f, g) in enumerate(reads):
-        meta = footers[f].row_group(g)
-        nbytes = max(meta.total_byte_size, meta.num_rows * row_bytes)
+        meta = footer(files[f])
+        nbytes = max(meta.group_bytes[g], meta.rows[g] * row_bytes)
         if not runs or size + nbytes > cap:
             runs.append([])
             size, cap = 0.0, min(2 * cap, TASK_BYTES)
@@ -169,13 +169,13 @@ def _row_group_source(
         ) -> list[ReadTask]:
             out = []
             for run in runs:
-                metas = [footers[f].row_group(g) for _, f, g in run]
+                metas = [(footer(files[f]), g) for _, f, g in run]
                 out.append(
                     ReadTask(
                         functools.partial(read, run),
                         BlockMetadata(
-                            num_rows=sum(m.num_rows for m in metas),
-                            size_bytes=sum(m.total_byte_size for m in metas),
+                            num_rows=sum(m.rows[g] for m, g in metas),
+                            size_bytes=sum(m.group_bytes[g] for m, g in metas),
                             input_files=tuple(sorted({files[f] for _, f, _ in run})),
                             exec_stats=None,
                         ),

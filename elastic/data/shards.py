@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from elastic.config.schema import DataConfig
+from elastic.data.footers import FooterError, footers
 from elastic.errors import ConfigError, exception_chain
 
 ID_COLUMN = "sample_id"
@@ -169,7 +170,8 @@ class Split:
 def check_dataset(cfg: DataConfig) -> dict[str, Split]:
     """Every shard opens and has the columns the run needs; returns the splits.
 
-    Reads only Parquet footers, so it is cheap even for thousands of shards.
+    Reads only Parquet footers, once a process and many at a time
+    (:mod:`elastic.data.footers`).
     """
     required = (ID_COLUMN, cfg.input_column, cfg.target_column)
     checked = {}
@@ -182,15 +184,15 @@ def check_dataset(cfg: DataConfig) -> dict[str, Split]:
         rows = size = 0
         groups: list[tuple[int, ...]] = []
         files = list_shards(path, key)
-        for f in files:
-            try:
-                meta = pq.read_metadata(f)
-            except (pa.ArrowInvalid, OSError) as e:
-                raise ConfigError(
-                    f"{f} is not a readable Parquet file ({str(e).splitlines()[0]}): "
-                    "regenerate or remove it"
-                ) from None
-            schema = meta.schema.to_arrow_schema()
+        try:
+            metas = footers(files)
+        except FooterError as e:
+            raise ConfigError(
+                f"{e.path} is not a readable Parquet file ({str(e.cause).splitlines()[0]}): "
+                "regenerate or remove it"
+            ) from None
+        for f, meta in zip(files, metas, strict=True):
+            schema = meta.schema
             for col in required:
                 if col not in schema.names:
                     raise ConfigError(
@@ -207,7 +209,7 @@ def check_dataset(cfg: DataConfig) -> dict[str, Split]:
                         f"{first_types[col]}: every shard of a dataset needs the same schema"
                     )
             rows += meta.num_rows
-            size += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
-            groups.append(tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups)))
+            size += sum(meta.group_bytes)
+            groups.append(meta.rows)
         checked[split] = Split(files, rows, size, tuple(groups))
     return checked

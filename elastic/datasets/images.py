@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from elastic.data.footers import footer
 from elastic.data.formats import DataFormat, register_format
 from elastic.data.shards import in_val, write_split
 from elastic.errors import ConfigError, DataError
@@ -177,7 +177,7 @@ def shift_augment(
 
 
 def classes_of(shard: str) -> list[str]:
-    meta = pq.read_schema(shard).metadata or {}
+    meta = footer(shard).schema.metadata or {}
     return json.loads(meta.get(b"elastic.classes", b"[]"))
 
 

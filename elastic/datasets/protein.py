@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from elastic.data.footers import footer
 from elastic.data.formats import DataFormat, register_format
 from elastic.data.shards import OutputError, check_split_dir, write_split
 from elastic.errors import ConfigError, DataError
@@ -336,7 +336,7 @@ def synthetic(
 
 def contact_width(shard: str) -> int | None:
     """Bits of a contact map in a contacts shard (from its metadata), else None."""
-    meta = pq.read_schema(shard).metadata or {}
+    meta = footer(shard).schema.metadata or {}
     value = meta.get(b"elastic.contact_bits")
     return int(value) if value else None
 

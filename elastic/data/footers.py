@@ -1,0 +1,127 @@
+"""Parquet footers, each read once per process while its file is unchanged, many at a
+time.
+
+The checks before Ray starts read every shard's footer: the schema and row groups
+(:func:`elastic.data.shards.check_dataset`), the labels' range, a format's width (a
+contact map's bits), then the driver's data preparation again: two to four reads of
+each footer, one after the other, a second for every 1,000 shards on this machine and
+far more where opening a file costs milliseconds (a parallel filesystem holding 10^5
+shards). Here a footer is read once, kept as the little every caller needs (a
+:class:`Footer`, ~1 KB: pyarrow's own object holds ~35 KB), and files are read by
+:data:`THREADS` threads at once so that one file's latency hides another's. The labels'
+range (row-group statistics) is read apart, for the datasets whose checks need it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+THREADS = 16
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Footer:
+    """What the checks and the read plan need of one shard's footer."""
+
+    schema: pa.Schema
+    """The Arrow schema with the file's metadata (one object for shards written alike)."""
+    rows: tuple[int, ...]
+    """Rows of each row group."""
+    group_bytes: tuple[int, ...]
+    """Uncompressed bytes of each row group."""
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.rows)
+
+
+class FooterError(Exception):
+    """A file whose footer cannot be read; ``path`` names it, ``cause`` says why."""
+
+    def __init__(self, path: str, cause: BaseException) -> None:
+        super().__init__(f"{path}: {cause}")
+        self.path, self.cause = path, cause
+
+
+_cache: dict[tuple[str, int, int, int], Footer] = {}
+_ranges: dict[tuple[str, int, int, int, str], tuple[int, int] | None] = {}
+_schemas: dict[bytes, pa.Schema] = {}
+
+
+def _read(path: str) -> Footer:
+    try:
+        meta = pq.read_metadata(path)
+    except (pa.ArrowException, OSError) as e:
+        raise FooterError(path, e) from None
+    schema = meta.schema.to_arrow_schema()
+    schema = _schemas.setdefault(schema.serialize().to_pybytes(), schema)
+    groups = [meta.row_group(g) for g in range(meta.num_row_groups)]
+    return Footer(
+        schema, tuple(g.num_rows for g in groups), tuple(g.total_byte_size for g in groups)
+    )
+
+
+def _key(path: str) -> tuple[str, int, int, int]:
+    """A file as it is now: a shard rewritten or replaced has another key."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise FooterError(path, e) from None
+    return os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def footer(path: str) -> Footer:
+    """``path``'s footer, read once while the file keeps its inode, size and modification
+    time."""
+    key = _key(path)
+    found = _cache.get(key)
+    if found is None:
+        found = _cache[key] = _read(path)
+    return found
+
+
+def integer_range(path: str, column: str) -> tuple[int, int] | None:
+    """The smallest and largest value of integer column ``column`` in ``path``, from its
+    row-group statistics (None when a row group has none, or there is no such column):
+    read only for the checks that ask (class labels), once while the file is unchanged."""
+    key = (*_key(path), column)
+    if key not in _ranges:
+        meta = pq.read_metadata(path)
+        index = meta.schema.to_arrow_schema().get_field_index(column)
+        low = high = None
+        for g in range(meta.num_row_groups) if index >= 0 else ():
+            stats = meta.row_group(g).column(index).statistics
+            if stats is None or not stats.has_min_max:
+                low = high = None
+                break
+            low = stats.min if low is None else min(low, stats.min)
+            high = stats.max if high is None else max(high, stats.max)
+        _ranges[key] = None if low is None or high is None else (int(low), int(high))
+    return _ranges[key]
+
+
+def _each(read: Callable[[str], T], files: list[str]) -> list[T]:
+    """``read`` of every file, in order, :data:`THREADS` files at a time."""
+    if len(files) <= 1:
+        return [read(f) for f in files]
+    with ThreadPoolExecutor(min(THREADS, len(files))) as pool:
+        return list(pool.map(read, files))
+
+
+def footers(files: list[str]) -> list[Footer]:
+    """Every file's footer, in order; the first file (in order) that cannot be read
+    raises :class:`FooterError`."""
+    return _each(footer, files)
+
+
+def integer_ranges(files: list[str], column: str) -> list[tuple[int, int] | None]:
+    """:func:`integer_range` of every file, in order."""
+    return _each(lambda f: integer_range(f, column), files)
