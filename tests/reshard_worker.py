@@ -94,12 +94,12 @@ def run(
     plan = BatchPlan.for_world(GLOBAL_BATCH, world)
     torch.manual_seed(0)
     model = cfg.model.build()
-    step, universal = 0, False
+    step, universal, loaded = 0, False, None
     if load:
         state = ckpt.read_state(load)
         universal = ckpt.needs_reshard(state, world, stage)
         engine = build_engine(cfg, plan, model, load_universal=universal)
-        ckpt.restore(engine, load, rank, universal=universal)
+        loaded = ckpt.restore(engine, load, rank, universal=universal)
         step = state.step
     else:
         engine = build_engine(cfg, plan, model)
@@ -116,6 +116,11 @@ def run(
         "lr": engine.get_lr()[0],
         "universal": universal,
     }
+    # the universal folder each rank loaded from, and whether it is still there
+    folders: list = [None] * world
+    dist.all_gather_object(folders, loaded)
+    result["universal_folders"] = folders
+    result["universal_left"] = any(f is not None and os.path.exists(f) for f in folders)
     # the second step's loss depends on the restored Adam moments and step counts too
     result["next_losses"] = [_step(engine, step + k, rank, world) for k in (1, 2)]
     if rank == 0:

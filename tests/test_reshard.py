@@ -1,6 +1,7 @@
 """Resharding resume: a ZeRO 1/2/3 checkpoint written at world size N resumes at M with
 model and optimizer state, through elastic.train.checkpoint (real DeepSpeed engines, real gloo
-process groups in spawned processes)."""
+process groups in spawned processes); the universal form it loads from is made once, by
+the whole group (elastic.train.reshard), into one folder every rank reads, then removed."""
 
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ def test_zero_checkpoint_resumes_at_another_world_size(stage, tmp_path):
     for world in (1, 3):
         resumed = _phase(world, stage, tmp_path, f"w2to{world}", load=str(tmp_path / "ckpt2"))
         assert resumed["universal"]  # the world size changed: converted, then loaded
+        # once for the group: every rank loaded the one folder rank 0 made, now removed
+        folders = resumed["universal_folders"]
+        assert len(folders) == world and len(set(folders)) == 1 and folders[0], folders
+        assert not resumed["universal_left"]
         _assert_same_state(at2, resumed)
         # the loss continues: the next two steps match the run that went on at size 2
         # (up to the order of the cross-rank sums)

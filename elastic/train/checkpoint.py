@@ -8,7 +8,8 @@ checkpoint. Rank 0 adds ``trainer_state.json`` (step, epoch, batch plan, history
 
 Restore at the saved world size loads the files as they are. A ZeRO 1-3 checkpoint
 restored at another world size is first converted to a DeepSpeed universal checkpoint
-in the run's staging folder (the checkpoint is never modified) and loaded resharded.
+in the run's staging folder, by the whole worker group (:mod:`elastic.train.reshard`;
+the checkpoint is never modified), and loaded resharded.
 
 Each rank also writes its manifest (:mod:`elastic.train.integrity`: the files' sizes and
 sha256, checked before a resume). Loading never unpickles arbitrary objects: the
@@ -194,33 +195,6 @@ def needs_reshard(state: TrainerState, world_size: int, zero_stage: int) -> bool
     return saved != world_size and zero_stage > 0
 
 
-def to_universal(path: str) -> str:
-    """Convert the DeepSpeed checkpoint in ``path`` to a universal one in a fresh folder
-    next to it, under the run's staging folder (the checkpoint itself is never modified;
-    the caller removes the folder)."""
-    import argparse
-    import io
-
-    from deepspeed.checkpoint import ds_to_universal
-
-    staging = os.path.join(os.path.dirname(os.path.abspath(path)), STAGING_DIR)
-    os.makedirs(staging, exist_ok=True)
-    out = tempfile.mkdtemp(prefix=f"universal-p{os.getpid()}-", dir=staging)
-    args = argparse.Namespace(
-        input_folder=os.path.join(path, DS_TAG),
-        output_folder=os.path.join(out, DS_TAG),
-        num_extract_workers=1,
-        num_merge_workers=1,
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=True,  # stages 1 and 2 lack the info the converter needs
-    )
-    # the converter prints and draws progress bars: keep the run's log readable
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        ds_to_universal.main(args)
-    return out
-
-
 @contextlib.contextmanager
 def _weights_only(path: str) -> Iterator[None]:
     """Every ``torch.load`` inside (DeepSpeed's loader and its universal converter pass
@@ -250,16 +224,28 @@ def _weights_only(path: str) -> Iterator[None]:
             os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
 
 
-def restore(engine: Any, path: str, rank: int, universal: bool = False) -> None:
+def restore(engine: Any, path: str, rank: int, universal: bool = False) -> str | None:
     """Load model, optimizer and scheduler state (and this rank's RNG) from a checkpoint
-    folder; ``universal`` (an engine built with ``load_universal``) reshards it."""
+    folder; ``universal`` (an engine built with ``load_universal``) reshards it, from
+    one conversion the group makes together (:mod:`elastic.train.reshard`; a
+    collective: every rank of the group calls it). Returns the universal folder it
+    loaded (removed by then), None when it loaded the checkpoint as it is."""
+    converted = None
     with _weights_only(path):
         if universal:
-            converted = to_universal(path)
+            import torch.distributed as dist
+
+            from elastic.train.reshard import shared_universal
+
+            converted, mine = shared_universal(path, rank, dist.get_world_size())
             try:
                 load_path, _ = engine.load_checkpoint(converted, tag=DS_TAG)
+                # every rank has read it (a rank that failed does not wait here: the
+                # others' next collective fails on it, and the group with them)
+                dist.barrier()
             finally:
-                shutil.rmtree(converted, ignore_errors=True)
+                if mine:
+                    shutil.rmtree(converted, ignore_errors=True)
         else:
             load_path, _ = engine.load_checkpoint(path, tag=DS_TAG)
     if load_path is None:
@@ -276,3 +262,4 @@ def restore(engine: Any, path: str, rank: int, universal: bool = False) -> None:
                 f"checkpoint {path}: {os.path.basename(rng)} is not plain arrays ({e}):"
                 " refused to load it"
             ) from None
+    return converted
