@@ -10,12 +10,14 @@ The run itself is the real command line, ``python launch/run.py``, in a subproce
 
 from __future__ import annotations
 
+import bisect
 import glob
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,9 +39,15 @@ FAST_HEALTH = {  # notice a dead node within seconds (see shared notes on Slurm)
 
 
 class RayCluster:
-    def __init__(self, worker_nodes: int, system_config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        worker_nodes: int,
+        system_config: dict[str, Any] | None = None,
+        node_cpus: int = NODE_CPUS,
+    ) -> None:
         from ray.cluster_utils import Cluster
 
+        self.node_cpus = node_cpus
         self.cluster = Cluster(
             initialize_head=True,
             head_node_args={
@@ -58,8 +66,8 @@ class RayCluster:
         return self.cluster.address
 
     def add_node(self) -> Any:
-        """A worker node joins (one training worker's worth of CPUs)."""
-        node = self.cluster.add_node(num_cpus=NODE_CPUS, object_store_memory=128 * 1024 * 1024)
+        """A worker node joins (``node_cpus``: by default one training worker's worth)."""
+        node = self.cluster.add_node(num_cpus=self.node_cpus, object_store_memory=128 * 1024 * 1024)
         self.nodes.append(node)
         return node
 
@@ -89,6 +97,16 @@ class RayCluster:
                         pids.append(pid)
                 except psutil.Error:
                     continue
+        return pids
+
+    def worker_side_pids(self) -> set[int]:
+        """Every process of this cluster's worker nodes (raylets, their workers and
+        agents); the head's, the GCS's and the drivers' are not among them."""
+        pids: set[int] = set()
+        for node in self.nodes:
+            for procs in node.all_processes.values():
+                pids.update(p.process.pid for p in procs)
+            pids |= _descendants(_raylet_pid(node))
         return pids
 
     def drain(self, node: Any, deadline_s: int) -> None:
@@ -425,3 +443,59 @@ class Slowdown:
         for p in self.busy:
             p.kill()
             p.wait()
+
+
+class CpuClock(threading.Thread):
+    """CPU seconds used so far by a local cluster's processes, sampled every
+    ``period_s``: the head side (the drivers, the GCS, the head node's raylet and its
+    workers: Ray Train's controller, Ray Data's reads) apart from the worker side (the
+    worker nodes' processes). A process that ends keeps the seconds it had used at its
+    last sample. On a machine with fewer cores than processes, wall times stretch with
+    the process count; CPU seconds tell what each side did, whatever the sharing."""
+
+    def __init__(self, cluster: RayCluster, period_s: float = 0.5) -> None:
+        super().__init__(name="cpu-clock", daemon=True)
+        self.cluster, self.period_s = cluster, period_s
+        self.samples: list[tuple[float, float, float]] = []  # (time, head s, worker s)
+        self._last: dict[int, tuple[float, bool]] = {}  # pid -> (cpu s, worker side)
+        self._stop_event = threading.Event()
+        self._sample()
+        self.start()
+
+    def _sample(self) -> None:
+        workers = self.cluster.worker_side_pids()
+        me = os.getpid()
+        for p in psutil.Process(me).children(recursive=True):
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            self._last[p.pid] = (t.user + t.system, p.pid in workers)
+        head = sum(s for s, w in self._last.values() if not w)
+        worker = sum(s for s, w in self._last.values() if w)
+        self.samples.append((time.time(), head, worker))
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.period_s):
+            self._sample()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+    def at(self, t: float) -> tuple[float, float]:
+        """(head, worker) CPU seconds used by time ``t`` (epoch seconds), interpolated."""
+        times = [s[0] for s in self.samples]
+        i = bisect.bisect_left(times, t)
+        if i == 0:
+            return self.samples[0][1:]
+        if i == len(times):
+            return self.samples[-1][1:]
+        (t0, h0, w0), (t1, h1, w1) = self.samples[i - 1], self.samples[i]
+        f = (t - t0) / (t1 - t0) if t1 > t0 else 1.0
+        return h0 + f * (h1 - h0), w0 + f * (w1 - w0)
+
+    def between(self, t0: float, t1: float) -> tuple[float, float]:
+        """(head, worker) CPU seconds used from ``t0`` to ``t1``."""
+        (h0, w0), (h1, w1) = self.at(t0), self.at(t1)
+        return h1 - h0, w1 - w0
