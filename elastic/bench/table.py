@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from elastic.bench import chaos, gpu, hetero, ingest, memory, overhead, recovery, startup
+from elastic.bench import chaos, gpu, hetero, ingest, memory, overhead, recovery, scale, startup
 
 # each benchmark's module: HELP, add_arguments(parser), measure(args) -> its report;
 # in the order the CLI lists them
@@ -24,8 +24,9 @@ BENCHES: dict[str, ModuleType] = {
     "hetero": hetero,
     "gpu": gpu,
     "startup": startup,
+    "scale": scale,
 }
-ALL_ORDER = ("overhead", "ingest", "recovery", "chaos", "hetero", "memory")
+ALL_ORDER = ("overhead", "ingest", "recovery", "chaos", "hetero", "memory", "scale")
 QUICK = {  # --quick: fewer rounds and steps, same figures (noisier)
     "overhead": ["--rounds", "1", "--steps", "400"],
     "ingest": ["--rounds", "1", "--wait-steps", "60"],
@@ -33,6 +34,7 @@ QUICK = {  # --quick: fewer rounds and steps, same figures (noisier)
     "chaos": ["--epochs", "10"],
     "memory": ["--precision", "bf16"],
     "hetero": ["--rounds", "1"],
+    "scale": ["--quick"],
 }
 
 
@@ -213,6 +215,30 @@ def _table_rows(results: dict) -> list[tuple[str, str, str, str, str, str]]:
                     f"<= {m['total_target']} from {m['total_from_params'] / 1e6:g}M params",
                     _verdict(all(c["total_within_target"] for c in judged)),
                 ))  # fmt: skip
+    if sc := results.get("scale"):
+        rows += _scale_rows(sc)
+    return rows
+
+
+def _scale_rows(report: dict) -> list[tuple[str, str, str, str, str, str]]:
+    """bench scale: each series with a budget, at its first modelled size (1,000 nodes
+    of 6 workers; 1B parameters; 10^10 samples), beside what was measured."""
+    rows = []
+    for name, s in report["series"].items():
+        if "budget" not in s or not s.get("at"):
+            continue
+        label, value = next(iter(s["at"].items()))
+        unit = s.get("unit", "")
+        sizes = s.get("world_sizes") or s.get("sizes") or []
+        measured = s.get("values") or []
+        here = f" (measured {measured[-1]:.3g} {unit} at {sizes[-1]:g})" if measured else ""
+        over = s.get("over_budget_from")
+        rows.append((
+            f"scale `{name}`: {s['what']}, modelled at {label}",
+            f"{value:.3g} {unit}{here}", "", "",
+            f"<= {s['budget']:g} {unit}" + ("" if over is None else f" (past it from {over:.3g})"),
+            _verdict(value <= s["budget"]),
+        ))  # fmt: skip
     return rows
 
 
