@@ -8,12 +8,13 @@
     python launch/bench.py hetero [--rounds 2] [--steps 120]
     python launch/bench.py gpu [--steps 300] [--cpu-check]
     python launch/bench.py startup [--rounds 2] [--steps 20]
+    python launch/bench.py scale [--quick] [--worlds 2 4 8 16 24] [--points bench-scale.json]
     python launch/bench.py all [--quick] [--skip NAME ...]
 
 Each benchmark, what it measures and its targets: its module in elastic/bench/ (the
 method and results: docs/performance.md). Each writes bench-NAME.json; ``all`` runs
-overhead, ingest, recovery, chaos, hetero and memory and writes the table to bench-all.md and
-bench-all.json (--quick: fewer rounds and steps).
+overhead, ingest, recovery, chaos, hetero, memory and scale and writes the table to
+bench-all.md and bench-all.json (--quick: fewer rounds and steps).
 """
 
 from __future__ import annotations

@@ -457,7 +457,8 @@ class CpuClock(threading.Thread):
         super().__init__(name="cpu-clock", daemon=True)
         self.cluster, self.period_s = cluster, period_s
         self.samples: list[tuple[float, float, float]] = []  # (time, head s, worker s)
-        self._last: dict[int, tuple[float, bool]] = {}  # pid -> (cpu s, worker side)
+        self.head_kinds: list[dict[str, float]] = []  # each sample's head s by process
+        self._last: dict[int, tuple[float, bool, str]] = {}  # pid -> (cpu s, worker, kind)
         self._stop_event = threading.Event()
         self._sample()
         self.start()
@@ -468,12 +469,27 @@ class CpuClock(threading.Thread):
         for p in psutil.Process(me).children(recursive=True):
             try:
                 t = p.cpu_times()
+                kind = self._last[p.pid][2] if p.pid in self._last else _kind(p)
             except psutil.Error:
                 continue
-            self._last[p.pid] = (t.user + t.system, p.pid in workers)
-        head = sum(s for s, w in self._last.values() if not w)
-        worker = sum(s for s, w in self._last.values() if w)
-        self.samples.append((time.time(), head, worker))
+            self._last[p.pid] = (t.user + t.system, p.pid in workers, kind)
+        kinds: dict[str, float] = {}
+        for s, w, kind in self._last.values():
+            if not w:
+                kinds[kind] = kinds.get(kind, 0.0) + s
+        worker = sum(s for s, w, _ in self._last.values() if w)
+        self.samples.append((time.time(), sum(kinds.values()), worker))
+        self.head_kinds.append(kinds)
+
+    def head_by_kind(self, t0: float, t1: float) -> dict[str, float]:
+        """The head side's CPU seconds from ``t0`` to ``t1`` by kind of process (the
+        samples nearest inside the window), largest first."""
+        times = [s[0] for s in self.samples]
+        a = min(bisect.bisect_left(times, t0), len(times) - 1)
+        b = max(a, min(bisect.bisect_right(times, t1), len(times)) - 1)
+        first, last = self.head_kinds[a], self.head_kinds[b]
+        spent = {k: v - first.get(k, 0.0) for k, v in last.items()}
+        return dict(sorted(((k, v) for k, v in spent.items() if v > 0), key=lambda kv: -kv[1]))
 
     def run(self) -> None:
         while not self._stop_event.wait(self.period_s):
@@ -499,3 +515,21 @@ class CpuClock(threading.Thread):
         """(head, worker) CPU seconds used from ``t0`` to ``t1``."""
         (h0, w0), (h1, w1) = self.at(t0), self.at(t1)
         return h1 - h0, w1 - w0
+
+
+def _kind(p: psutil.Process) -> str:
+    """What a cluster process is, in a word: ``ray::TrainController``, ``raylet``,
+    ``gcs_server``, ``driver`` (launch/run.py), ``ray_idle`` (a pooled worker) ..."""
+    cmd = p.cmdline()
+    name = cmd[0] if cmd else p.name()
+    if name.startswith("ray::"):
+        return name.split()[0]
+    if any(c.endswith("launch/run.py") for c in cmd):
+        return "driver"
+    if any("default_worker.py" in c for c in cmd):
+        return "ray_idle"
+    base = os.path.basename(name)
+    if base.startswith("python"):
+        script = next((c for c in cmd[1:] if not c.startswith("-")), "")
+        return os.path.basename(script) or base
+    return base

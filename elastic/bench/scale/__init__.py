@@ -85,16 +85,26 @@ def _series(
     if len(pairs) >= 2:
         law = fit([p[0] for p in pairs], [p[1] for p in pairs])
         out["fit"] = law.to_dict()
-        out["at"] = {label: law.at(x) for label, x in at.items()}
-        out["at_sizes"] = dict(at)
+        if not law.trusted:
+            out["not_modelled"] = (
+                f"not modelled: the {law.model} law misses the largest size by "
+                f"{100 * law.off_by:.0f}% (tolerance {100 * law.tolerance:.0f}%)"
+            )
+        elif at:
+            out["at"] = {label: law.at(x) for label, x in at.items()}
+            out["at_sizes"] = dict(at)
     return out
 
 
 def _judged(name: str, series: dict[str, Any]) -> dict[str, Any]:
-    if "fit" in series:
-        f = series["fit"]
-        _judge(name, series, Fit(f["model"], tuple(f["params"]), f["rms"], f["misses"]).at)
+    if "at" in series and "fit" in series:  # (a modelled phase is judged as it is made)
+        _judge(name, series, _law(series).at)
     return series
+
+
+def _law(series: dict[str, Any]) -> Fit:
+    f = series["fit"]
+    return Fit(f["model"], tuple(f["params"]), f["rms"], f["misses"], f["off_by"], f["tolerance"])
 
 
 def _first_over(value: Callable[[float], float], budget: float, x_from: float) -> float | None:
@@ -133,8 +143,11 @@ def world_series(points: list[dict]) -> dict[str, dict]:
         if len(have) < 2:
             continue
         xs = [p["world"] for p in have]
+        out[f"{phase}.wall_s"] = _series(
+            "world", f"{what}: wall seconds here (2 shared cores)", "s", xs,
+            [p[phase]["wall_s"] for p in have], {},
+        )  # fmt: skip
         for figure, unit, label, ys in (
-            ("wall_s", "s", "wall seconds here", [p[phase]["wall_s"] for p in have]),
             (
                 "head_cpu_s",
                 "CPU s",
@@ -148,12 +161,18 @@ def world_series(points: list[dict]) -> dict[str, dict]:
                 [p[phase]["worker_cpu_s"] for p in have],
             ),
         ):
-            out[f"{phase}.{figure}"] = _series("world", f"{what}: {label}", unit, xs, ys, at)
-        out[f"{phase}.modelled_s"] = _modelled(out, phase, xs[0], have[0][phase]["wall_s"])
+            # inputs of the model below, not carried out on their own
+            out[f"{phase}.{figure}"] = _series("world", f"{what}: {label}", unit, xs, ys, {})
+        modelled = _modelled(out, phase, xs[0], have[0][phase]["wall_s"])
+        if modelled:  # (both laws trusted)
+            out[f"{phase}.modelled_s"] = modelled
     step = [p["step"] for p in points]
     alone = [p["compute_alone_s"] for p in points]
+    out["step.wall_s"] = _series(
+        "world", "a steady step's wall seconds here (2 shared cores)", "s", worlds,
+        [s["step_s"] for s in step], {},
+    )  # fmt: skip
     for key, what, unit, ys in (
-        ("step.wall_s", "a steady step's wall seconds here", "s", [s["step_s"] for s in step]),
         (
             "step.framework_cpu_s",
             "one rank's CPU seconds a step beyond its compute alone",
@@ -190,17 +209,14 @@ def _modelled(series: dict[str, dict], phase: str, x0: float, wall0: float) -> d
     """A phase's wall time at scale: the wall time at the smallest size measured plus the
     growth the fits give the head side's CPU and one worker's CPU from there."""
     head, worker = series[f"{phase}.head_cpu_s"], series[f"{phase}.worker_cpu_s"]
-    if "fit" not in head or "fit" not in worker:
+    if not all(s.get("fit", {}).get("trusted") for s in (head, worker)):
         return {}
-
-    def law(s: dict) -> Fit:
-        f = s["fit"]
-        return Fit(f["model"], tuple(f["params"]), f["rms"], f["misses"])
-
-    h, w = law(head), law(worker)
+    h, w = _law(head), _law(worker)
 
     def wall(x: float) -> float:
-        return wall0 + h.at(x) - h.at(x0) + w.at(x) - w.at(x0)
+        # the head's net CPU fell with the size in every phase measured (its steady
+        # background over-counts long windows): no growth is taken from a falling law
+        return wall0 + max(0.0, h.at(x) - h.at(x0)) + w.at(x) - w.at(x0)
 
     out = {
         "group": "world",
@@ -209,7 +225,7 @@ def _modelled(series: dict[str, dict], phase: str, x0: float, wall0: float) -> d
         "world_sizes": [x0],
         "at": {k: wall(x) for k, x in _world_targets().items()},
         "at_sizes": _world_targets(),
-        "formula": f"wall({x0:g}) + head(N) - head({x0:g}) + worker(N) - worker({x0:g})",
+        "formula": f"wall({x0:g}) + max(0, head(N) - head({x0:g})) + worker(N) - worker({x0:g})",
     }
     _judge(f"{phase}.modelled_s", out, wall)
     return out

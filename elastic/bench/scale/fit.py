@@ -11,7 +11,9 @@ the simplest such law is kept, so that noise around a flat cost stays a constant
 second parameter must earn its place. (Judged
 on earlier points too, a fixed cost that dominates the smallest sizes made a line look
 worse than log(x) at predicting the middle ones, and a linear cost was carried out as a
-logarithmic one.) The kept law is then fitted to every point.
+logarithmic one.) The kept law is then fitted to every point; if it then misses the
+largest size's value by more than that tolerance, no law describes the series where it
+matters most, and it is not carried out (:attr:`Fit.trusted`).
 
 Pure numpy, no I/O: tested against series whose law is known."""
 
@@ -50,6 +52,15 @@ class Fit:
     """Root mean square of the kept law's residuals over every point, in y's unit."""
     misses: dict[str, float]
     """Each candidate's relative miss predicting the largest size from the others."""
+    off_by: float = 0.0
+    """How far (relatively) the kept law, fitted to every point, is from the largest
+    size's value: past the tolerance, no law describes the series where it matters most
+    (:attr:`trusted` is False) and nothing should be carried out from it."""
+    tolerance: float = 1.0
+
+    @property
+    def trusted(self) -> bool:
+        return self.off_by <= self.tolerance
 
     def at(self, x: float) -> float:
         return float((MODELS[self.model](np.array([float(x)])) @ np.array(self.params))[0])
@@ -74,6 +85,9 @@ class Fit:
             "fitted": self.formula,
             "rms": self.rms,
             "misses": self.misses,
+            "off_by": self.off_by,
+            "tolerance": self.tolerance,
+            "trusted": self.trusted,
         }
 
 
@@ -117,5 +131,7 @@ def fit(x: list[float], y: list[float]) -> Fit:
     best = min(misses.values())
     kept = next(m for m in candidates if misses[m] <= best + tolerance)
     params = _solve(kept, xs, ys)
-    rms = math.sqrt(float(np.mean((MODELS[kept](xs) @ params - ys) ** 2)))
-    return Fit(kept, tuple(float(p) for p in params), rms, misses)
+    fitted = MODELS[kept](xs) @ params
+    rms = math.sqrt(float(np.mean((fitted - ys) ** 2)))
+    off_by = abs(float(fitted[-1] - ys[-1])) / max(abs(float(ys[-1])), 1e-3 * scale)
+    return Fit(kept, tuple(float(p) for p in params), rms, misses, off_by, tolerance)

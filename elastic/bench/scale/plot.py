@@ -16,7 +16,10 @@ GROUP_X = {"world": "workers", "model": "parameters", "data": "samples (merge: i
 
 def law(series: dict[str, Any]) -> Fit | None:
     f = series.get("fit")
-    return None if f is None else Fit(f["model"], tuple(f["params"]), f["rms"], f["misses"])
+    if f is None:
+        return None
+    return Fit(f["model"], tuple(f["params"]), f["rms"], f["misses"],
+               f.get("off_by", 0.0), f.get("tolerance", 1.0))  # fmt: skip
 
 
 def sizes(series: dict[str, Any]) -> list[float]:
@@ -45,6 +48,7 @@ def markdown(report: dict[str, Any]) -> str:
         measured = ", ".join(f"{x:g}: {_number(y, unit)}" for x, y in pairs)
         fitted = s.get("fit", {}).get("fitted", "")
         at = "; ".join(f"{k}: {_number(v, unit)}" for k, v in s.get("at", {}).items())
+        at = at or s.get("not_modelled", "")
         judged = ""
         if "budget" in s:
             over = s.get("over_budget_from")

@@ -95,8 +95,13 @@ def _window(clock: Any, t0: float, t1: float, workers: int, log: str = "") -> di
     ``workers``); ``log``: the driver's output meanwhile, for the group starts Ray Train
     gave up on (``scaling.start_timeout_s``) and retried."""
     head, worker = clock.between(t0, t1)
-    return {"wall_s": t1 - t0, "head_cpu_s": head, "worker_cpu_s": worker / workers,
-            "start_timeouts": log.count(START_TIMEOUT)}  # fmt: skip
+    return {
+        "wall_s": t1 - t0,
+        "head_cpu_s": head,
+        "worker_cpu_s": worker / workers,
+        "head_cpu_by_process": dict(list(clock.head_by_kind(t0, t1).items())[:6]),
+        "start_timeouts": log.count(START_TIMEOUT),
+    }
 
 
 def _steps(records: list[dict]) -> list[dict]:
@@ -113,11 +118,14 @@ def _steady(records: list[dict], clock: Any, world: int) -> dict[str, float]:
         for x, y in zip(steps, steps[1:], strict=False)
     ]
     head, worker = clock.between(a["time"], b["time"])
+    span = b["time"] - a["time"]
+    by_process = list(clock.head_by_kind(a["time"], b["time"]).items())[:6]
     return {
         "step_s": statistics.median(intervals),
         "steps": n,
         "worker_cpu_per_step_s": worker / world / n,
-        "head_cpu_per_s": head / (b["time"] - a["time"]),
+        "head_cpu_per_s": head / span,
+        "head_cpu_per_s_by_process": {k: v / span for k, v in by_process},
     }
 
 
