@@ -41,11 +41,13 @@ def train(
 
 
 def torchrun_json(world: int, script: str, args: list[str]) -> dict:
-    """Run a peer script under torchrun with ``world`` ranks on this machine (one thread
-    each, as Ray gives a 1-CPU worker); the JSON line its rank 0 prints last."""
+    """Run a peer script (``launch/peers/NAME.py``) or a module (``package.module``)
+    under torchrun with ``world`` ranks on this machine (one thread each, as Ray gives a
+    1-CPU worker); the JSON line its rank 0 prints last."""
+    target = [str(REPO / "launch/peers" / script)] if script.endswith(".py") else ["-m", script]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={world}", str(REPO / "launch/peers" / script), *args,
+        f"--nproc-per-node={world}", *target, *args,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout

@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -35,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from elastic.bench.common import torchrun_json
 from elastic.bench.scale import data as dataset
 from elastic.bench.scale.fit import Fit, fit
 from elastic.bench.scale.plot import figures, markdown
@@ -48,6 +47,7 @@ CHECKPOINT_EVERY = 50  # checkpoint.every_steps' default
 RESTART_BUDGET_S = 5.0  # "a few seconds per restart at 1,000 nodes": more is to fix
 MODEL_SIZES_AT_SCALE = {"1B params": 1e9, "10B params": 1e10}
 SAMPLES_AT_SCALE = {"10^10 samples": 1e10}
+RANKS = "elastic.bench.scale.ckpt_ranks"  # the model series' ranks, under torchrun
 QUICK = {"worlds": [2, 8, 16], "params": [1e6, 1e7, 1e8], "merged": [1e4, 1e5, 1e6]}
 BUDGETS = {  # series -> the value past which it breaks the run (its unit)
     **{f"{p}.modelled_s": RESTART_BUDGET_S for p in ("worker_kill", "node_kill", "node_join")},
@@ -231,26 +231,12 @@ def _modelled(series: dict[str, dict], phase: str, x0: float, wall0: float) -> d
     return out
 
 
-def _torchrun(world: int, args: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={world}", "-m", "elastic.bench.scale.ckpt_ranks", *args]  # fmt: skip
-    env_out = subprocess.run(cmd, check=True, capture_output=True, text=True,
-                             env={**_env(), "OMP_NUM_THREADS": "1"}).stdout  # fmt: skip
-    return json.loads([line for line in env_out.splitlines() if line.startswith("{")][-1])
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    return {**os.environ, "DS_ACCELERATOR": "cpu"}
-
-
 def model_points(sizes: list[float], workdir: str) -> list[dict]:
     points = []
     for params in sizes:
         d = f"{workdir}/ckpt-{int(params)}"
-        saved = _torchrun(2, ["--params", str(params), "--dir", d, "--mode", "save"])
-        resharded = _torchrun(3, ["--params", str(params), "--dir", d, "--mode", "load"])
+        saved = torchrun_json(2, RANKS, ["--params", str(params), "--dir", d, "--mode", "save"])
+        resharded = torchrun_json(3, RANKS, ["--params", str(params), "--dir", d, "--mode", "load"])
         shutil.rmtree(d, ignore_errors=True)
         assert resharded["universal"] and resharded["from_world"] == 2, resharded
         points.append({**saved, "reshard_load_s": resharded["reshard_load_s"]})
