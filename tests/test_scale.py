@@ -94,8 +94,11 @@ def test_bench_scale_model_and_data_series(tmp_path):
     assert checks[-1]["state_bytes"] > 10 * checks[0]["state_bytes"]  # it names every shard
     assert s["checkpoint.bytes"]["fit"]["model"] == "linear"
     assert s["checkpoint.bytes"]["at"]["1B params"] == pytest.approx(12e9, rel=0.05)
-    for name in ("ledger.bytes", "ledger.merge_s", "data.config_s", "checkpoint.reshard_load_s"):
-        assert "fit" in s[name] and set(s[name]["at"]), name
+    assert s["ledger.bytes"]["at"]["10^10 samples"] == pytest.approx(1.25e9, rel=0.05)
+    for name in ("ledger.merge_s", "data.config_s", "checkpoint.reshard_load_s"):
+        # timed on a busy machine from 3 small sizes: modelled, or refused in words
+        found = s[name]
+        assert "fit" in found and (set(found.get("at", {})) or "misses" in found["not_modelled"])
     table = markdown(report)
     assert table.count("\n") == len(s) + 2
     assert sorted(p.name for p in tmp_path.glob("bench-scale-*.png")) == [
