@@ -98,13 +98,8 @@ def _series(
 
 def _judged(name: str, series: dict[str, Any]) -> dict[str, Any]:
     if "at" in series and "fit" in series:  # (a modelled phase is judged as it is made)
-        _judge(name, series, _law(series).at)
+        _judge(name, series, Fit.from_dict(series["fit"]).at)
     return series
-
-
-def _law(series: dict[str, Any]) -> Fit:
-    f = series["fit"]
-    return Fit(f["model"], tuple(f["params"]), f["rms"], f["misses"], f["off_by"], f["tolerance"])
 
 
 def _first_over(value: Callable[[float], float], budget: float, x_from: float) -> float | None:
@@ -211,7 +206,7 @@ def _modelled(series: dict[str, dict], phase: str, x0: float, wall0: float) -> d
     head, worker = series[f"{phase}.head_cpu_s"], series[f"{phase}.worker_cpu_s"]
     if not all(s.get("fit", {}).get("trusted") for s in (head, worker)):
         return {}
-    h, w = _law(head), _law(worker)
+    h, w = Fit.from_dict(head["fit"]), Fit.from_dict(worker["fit"])
 
     def wall(x: float) -> float:
         # the head's net CPU fell with the size in every phase measured (its steady
@@ -272,18 +267,18 @@ def data_points(args: argparse.Namespace, workdir: str) -> dict[str, list[dict]]
         print(f"ledger merge of {m:.0e} ids: {merges[-1]['merge_s']:.3f} s", flush=True)
     checks = []
     for n in args.samples:
-        path = f"{workdir}/split-{int(n)}"
-        dataset.make_split(path, dataset.shards_of(int(n)))
-        checks.append({"samples": n, "shards": dataset.shards_of(int(n)),
-                       **dataset.config_point(path)})  # fmt: skip
+        path, shards = f"{workdir}/split-{int(n)}", dataset.shards_of(int(n))
+        dataset.make_split(path, shards)
+        checks.append({"samples": n, "shards": shards, **dataset.config_point(path)})
         shutil.rmtree(path, ignore_errors=True)
         print(f"config checks, {checks[-1]['shards']} shards: {checks[-1]}", flush=True)
     return {"ledger": ledger, "merge": merges, "checks": checks}
 
 
 def data_series(points: dict[str, list[dict]]) -> dict[str, dict]:
-    nodes = {k: n * WORKERS_PER_NODE_AT_SCALE for k, n in SCALES.items()}
-    merged_at = {k: w * SAMPLES_PER_WORKER * CHECKPOINT_EVERY for k, w in nodes.items()}
+    merged_at = {
+        k: w * SAMPLES_PER_WORKER * CHECKPOINT_EVERY for k, w in _world_targets().items()
+    }
     ledger, merges, checks = points["ledger"], points["merge"], points["checks"]
     xs = [p["samples"] for p in ledger]
     cx = [p["samples"] for p in checks]

@@ -5,15 +5,14 @@ log(x), a line in x, and (from 5 points) a quadratic. The law kept is the one th
 *extrapolates* best on the points themselves: each candidate, fitted to every size but
 the largest, predicts the largest, and the candidate that misses it least (relatively)
 wins. A miss within 5 points, or 3 noise widths, of the best is as good (the noise:
-the points' scatter about the two-parameter-or-fewer law that fits them all best,
-over the largest value), and
-the simplest such law is kept, so that noise around a flat cost stays a constant and a
-second parameter must earn its place. (Judged
-on earlier points too, a fixed cost that dominates the smallest sizes made a line look
-worse than log(x) at predicting the middle ones, and a linear cost was carried out as a
-logarithmic one.) The kept law is then fitted to every point; if it then misses the
-largest size's value by more than that tolerance, no law describes the series where it
-matters most, and it is not carried out (:attr:`Fit.trusted`).
+the points' scatter about the two-parameter-or-fewer law that fits them all best, over
+the largest value), and the simplest such law is kept, so that noise around a flat cost
+stays a constant and a second parameter must earn its place. (Judged on earlier points
+too, a fixed cost that dominates the smallest sizes made a line look worse than log(x)
+at predicting the middle ones, and a linear cost was carried out as a logarithmic one.)
+The kept law is then fitted to every point; if it then misses the largest size's value
+by more than that tolerance, no law describes the series where it matters most, and it
+is not carried out (:attr:`Fit.trusted`).
 
 Pure numpy, no I/O: tested against series whose law is known."""
 
@@ -76,6 +75,12 @@ class Fit:
     def superlinear(self) -> bool:
         """Grows faster than a line over the sizes fitted (a quadratic, c > 0)."""
         return self.model == "quadratic" and self.params[2] > 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Fit:
+        """The law :meth:`to_dict` wrote (bench-scale.json's ``fit``)."""
+        return cls(d["model"], tuple(d["params"]), d["rms"], d["misses"],
+                   d.get("off_by", 0.0), d.get("tolerance", 1.0))  # fmt: skip
 
     def to_dict(self) -> dict:
         return {

@@ -16,10 +16,7 @@ GROUP_X = {"world": "workers", "model": "parameters", "data": "samples (merge: i
 
 def law(series: dict[str, Any]) -> Fit | None:
     f = series.get("fit")
-    if f is None:
-        return None
-    return Fit(f["model"], tuple(f["params"]), f["rms"], f["misses"],
-               f.get("off_by", 0.0), f.get("tolerance", 1.0))  # fmt: skip
+    return None if f is None else Fit.from_dict(f)
 
 
 def sizes(series: dict[str, Any]) -> list[float]:
