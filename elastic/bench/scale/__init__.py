@@ -276,9 +276,7 @@ def data_points(args: argparse.Namespace, workdir: str) -> dict[str, list[dict]]
 
 
 def data_series(points: dict[str, list[dict]]) -> dict[str, dict]:
-    merged_at = {
-        k: w * SAMPLES_PER_WORKER * CHECKPOINT_EVERY for k, w in _world_targets().items()
-    }
+    merged_at = {k: w * SAMPLES_PER_WORKER * CHECKPOINT_EVERY for k, w in _world_targets().items()}
     ledger, merges, checks = points["ledger"], points["merge"], points["checks"]
     xs = [p["samples"] for p in ledger]
     cx = [p["samples"] for p in checks]
