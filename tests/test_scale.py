@@ -48,6 +48,14 @@ def test_noise_around_a_flat_cost_stays_flat():
         assert fit(SIZES, list(y)).model == "constant", seed
 
 
+def test_a_line_through_two_points_is_never_carried_out():
+    """Two noisy sizes of a flat cost make a steep line; nothing tested it."""
+    law = fit([8, 16], [17.1, 19.5])
+    assert law.model == "linear" and not law.trusted
+    assert "2 sizes" in law.refusal
+    assert fit([2, 8, 16], [17.5, 17.1, 19.5]).trusted
+
+
 def test_a_fit_refuses_what_it_cannot_fit():
     with pytest.raises(ValueError, match="2 or more"):
         fit([4], [1.0])

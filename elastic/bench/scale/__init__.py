@@ -86,10 +86,7 @@ def _series(
         law = fit([p[0] for p in pairs], [p[1] for p in pairs])
         out["fit"] = law.to_dict()
         if not law.trusted:
-            out["not_modelled"] = (
-                f"not modelled: the {law.model} law misses the largest size by "
-                f"{100 * law.off_by:.0f}% (tolerance {100 * law.tolerance:.0f}%)"
-            )
+            out["not_modelled"] = law.refusal
         elif at:
             out["at"] = {label: law.at(x) for label, x in at.items()}
             out["at_sizes"] = dict(at)
