@@ -215,3 +215,100 @@ def test_zero2_steps_map_no_fresh_pages_with_the_workers_malloc_settings(tmp_pat
     assert statistics.median(fresh) > 1000, got  # one fp32 copy of the model: 4,600 pages
     # none in most steps (the heap still grows now and then to a new high-water mark)
     assert statistics.median(kept_faults) < 10 and sum(kept_faults) < 0.3 * sum(fresh), got
+
+
+class _Branchy(torch.nn.Module):
+    """Its second layer counts only for batches whose first input sums above zero: one
+    rank's gradients then lack a parameter the other rank's have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 3)
+        self.b = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x) if x[:, 0].sum() > 0 else self.a(x)
+
+
+def _branchy_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _batch()
+    x[: GLOBAL // 2, 0] = x[: GLOBAL // 2, 0].abs() + 0.1  # rank 0 takes the branch
+    x[GLOBAL // 2 :, 0] = -x[GLOBAL // 2 :, 0].abs() - 0.1  # rank 1 does not
+    return x, y
+
+
+def _overlap_rank(rank: int, port: int, out: str) -> None:
+    _join_two_ranks(rank, port)
+    import torch.distributed as dist
+
+    from elastic.train import reduce
+    from elastic.train.batch import BatchPlan
+    from elastic.train.engine import build_engine
+
+    mine = slice(rank * GLOBAL // 2, (rank + 1) * GLOBAL // 2)
+    results = {}
+    for name, clip, accum in (("mlp", 0.0, 1), ("mlp", 0.5, 1), ("mlp", 0.0, 2), ("branchy", 0, 1)):
+        cfg = _cfg(0, clip)
+        x, y = _batch() if name == "mlp" else _branchy_batch()
+        torch.manual_seed(0)
+        model = cfg.model.build() if name == "mlp" else _Branchy()
+        plan = BatchPlan.for_world(GLOBAL, 2, GLOBAL // 2 // accum)
+        engine = build_engine(cfg, plan, model)
+        if name == "branchy":  # a bucket a parameter: rank 1's first ones never fill
+            reduce.FIRST_BUCKET_BYTES = reduce.BUCKET_BYTES = 4
+        reducer = reduce.overlapped_reduce(engine, 0, "fp32")
+        assert reducer is not None and engine.enable_backward_allreduce is False
+        buckets = len(reducer.buckets)
+        for _ in range(STEPS):
+            for xs, ys in zip(x[mine].chunk(accum), y[mine].chunk(accum), strict=True):
+                # the loop's weighting: each rank's loss sum x world x accum / global rows
+                engine.backward(((engine(xs) - ys) ** 2).sum() * 2 * accum / GLOBAL)
+                reducer.finish()
+                engine.step()
+        params = [p.detach().flatten().tolist() for p in engine.module.parameters()]
+        results[f"{name}/{clip}/{accum}"] = {"params": params, "buckets": buckets}
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _branchy_reference() -> list[list[float]]:
+    """One process: each half of the batch through the branch its rank took."""
+    torch.manual_seed(0)
+    model = _Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    x, y = _branchy_batch()
+    for _ in range(STEPS):
+        opt.zero_grad()
+        halves = [slice(0, GLOBAL // 2), slice(GLOBAL // 2, GLOBAL)]
+        loss = sum(((model(x[h]) - y[h]) ** 2).sum() for h in halves) / GLOBAL
+        loss.backward()
+        opt.step()
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def test_the_overlapped_zero0_reduction_updates_as_plain_torch_does(tmp_path):
+    """elastic's own ZeRO-0 all-reduce (fp32): the same steps as plain torch over the
+    whole global batch, clipping off and on, with 2 micro-steps a step, and with a
+    parameter that has a gradient on one rank only, one bucket a parameter (the ranks
+    start their all-reduces at different points; the pairs must still match)."""
+    out = str(tmp_path / "params.json")
+    mp.start_processes(
+        _overlap_rank, args=(_free_port(), out), nprocs=2, join=True, start_method="spawn"
+    )
+    for rank in (0, 1):
+        with open(f"{out}.{rank}") as f:
+            got = json.load(f)
+        for key, run in got.items():
+            name, clip, _ = key.split("/")
+            want = _reference(float(clip)) if name == "mlp" else _branchy_reference()
+            pairs = zip(run["params"], want, strict=True)
+            worst = max((torch.tensor(a) - torch.tensor(b)).abs().max().item() for a, b in pairs)
+            assert worst < 1e-5, (rank, key, worst)
+        assert got["branchy/0/1"]["buckets"] == 4  # the one-parameter buckets were in force
+    # and the branch one rank skipped did train (on the other rank's gradient)
+    torch.manual_seed(0)
+    moved = torch.tensor(got["branchy/0/1"]["params"][2]) - _Branchy().b.weight.flatten()
+    assert moved.abs().max().item() > 1e-4

@@ -40,6 +40,7 @@ from elastic.train.batch import BatchPlan
 from elastic.train.control import StopPoller, SyncPace, node_drain_probe, wait_for_eviction
 from elastic.train.divergence import Divergence
 from elastic.train.engine import build_engine, init_distributed, set_base_lr, warm_imports
+from elastic.train.reduce import overlapped_reduce
 from elastic.train.stragglers import FIGURES, Evicting, StragglerWatch, eviction
 from elastic.train.timing import COMPUTE, PHASES, CollectiveClock, PhaseTimes
 
@@ -280,6 +281,11 @@ class _Trainer:
         self.classes = getattr(cfg.model, "classes", 0)
         self.beta = getattr(cfg.model, "beta", 1.0)
         self.device = engine.device
+        st = cfg.strategy
+        # fp32 ZeRO-0: the gradient all-reduce is elastic's, overlapped with backward
+        self.reducer = (
+            overlapped_reduce(engine, st.zero_stage, st.precision) if st.overlap_reduce else None
+        )
         self.dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
         self.times = PhaseTimes()
         # every rank's figures each log interval: who is slow (stragglers.*)
@@ -519,6 +525,8 @@ class _Trainer:
                 loss = losses.sum() * weight
             with self.times.phase("backward"):
                 engine.backward(loss)
+                if self.reducer is not None:
+                    self.reducer.finish()
             with self.times.phase("optimizer"):
                 engine.step()
             micro_sum = losses.detach().double().sum().cpu()

@@ -78,7 +78,8 @@ class CollectiveClock:
 
     An asynchronous collective (``async_op=True``: ZeRO-3's parameter prefetch) counts
     only while it is being started; its wait, where the caller waits on its handle,
-    stays in the phase."""
+    stays in the phase, unless the caller counts it (:meth:`waited`: elastic's own
+    overlapped all-reduce does)."""
 
     _seconds = 0.0
     _installed = False
@@ -109,6 +110,11 @@ class CollectiveClock:
         timed.__name__ = fn.__name__
         timed.__doc__ = fn.__doc__
         return timed
+
+    @classmethod
+    def waited(cls, seconds: float) -> None:
+        """Count ``seconds`` spent waiting on an asynchronous collective's handle."""
+        cls._seconds += seconds
 
     @classmethod
     def seconds(cls) -> float:

@@ -4,6 +4,9 @@
 
 The engine is the one elastic builds (:func:`elastic.train.engine.build_engine`: the
 same config, ZeRO stage and buckets, from the same composed experiment and overrides),
+with the gradient all-reduce elastic's loop uses (DeepSpeed's; at fp32 ZeRO-0 with
+``strategy.overlap_reduce=true``, elastic's own, overlapped with the backward pass:
+:mod:`elastic.train.reduce`),
 the model the same (same seed), the per-rank batch the same; no Ray, no streaming, no
 elastic loop. Against the elastic run it measures what elastic adds above DeepSpeed;
 against the plain-DDP peer (``ddp_step.py``), what DeepSpeed adds above DDP. Rank 0
@@ -27,6 +30,7 @@ from elastic.data.formats import column_to_numpy
 from elastic.data.shards import list_shards
 from elastic.train.batch import BatchPlan
 from elastic.train.engine import build_engine, init_distributed
+from elastic.train.reduce import overlapped_reduce
 
 
 def main() -> None:
@@ -48,6 +52,8 @@ def main() -> None:
 
     torch.manual_seed(cfg.trainer.seed)
     engine = build_engine(cfg, plan, cfg.model.build())
+    st = cfg.strategy  # and the gradient all-reduce elastic's loop would use
+    reducer = overlapped_reduce(engine, st.zero_stage, st.precision) if st.overlap_reduce else None
     dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
     batches = len(x) // per_rank
     start = 0.0
@@ -60,6 +66,8 @@ def main() -> None:
         yb = y[i * per_rank : (i + 1) * per_rank]
         loss = torch.nn.functional.mse_loss(engine(xb).float(), yb)
         engine.backward(loss)
+        if reducer is not None:
+            reducer.finish()
         engine.step()
     dist.barrier()
     step_s = (time.perf_counter() - start) / (a.steps - a.warmup)
@@ -70,6 +78,7 @@ def main() -> None:
                     "step_s": step_s,
                     "world_size": world,
                     "zero_stage": cfg.strategy.zero_stage,
+                    "overlap_reduce": reducer is not None,
                     "threads": torch.get_num_threads(),
                     "omp": os.environ.get("OMP_NUM_THREADS"),
                 }
