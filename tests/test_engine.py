@@ -200,8 +200,8 @@ def test_zero2_steps_map_no_fresh_pages_with_the_workers_malloc_settings(tmp_pat
         monkeypatch.delenv(key)
     assert worker_malloc_env(os.environ) == MALLOC_ENV
     assert worker_malloc_env({"MALLOC_ARENA_MAX": "4"}) == {}  # the user's own: kept
-    got = {}
-    for kept in (False, True):
+
+    def faults(kept: bool) -> list[int]:
         for key, value in MALLOC_ENV.items():  # the spawned ranks inherit os.environ
             if kept:
                 monkeypatch.setenv(key, value)
@@ -210,8 +210,16 @@ def test_zero2_steps_map_no_fresh_pages_with_the_workers_malloc_settings(tmp_pat
             _faults_rank, args=(_free_port(), out), nprocs=2, join=True, start_method="spawn"
         )
         with open(out) as f:
-            got[kept] = json.load(f)
-    fresh, kept_faults = got[False], got[True]
+            return json.load(f)
+
+    # glibc's own mmap threshold moves with what was freed before: about one run in six
+    # here its defaults happened to keep the buffers too (0 faults), and the control
+    # could not tell the settings apart; up to 3 tries for a control that faults
+    tries = [faults(kept=False)]
+    while statistics.median(tries[-1]) <= 1000 and len(tries) < 3:
+        tries.append(faults(kept=False))
+    fresh, kept_faults = tries[-1], faults(kept=True)
+    got = {"defaults": tries, "kept": kept_faults}
     assert statistics.median(fresh) > 1000, got  # one fp32 copy of the model: 4,600 pages
     # none in most steps (the heap still grows now and then to a new high-water mark)
     assert statistics.median(kept_faults) < 10 and sum(kept_faults) < 0.3 * sum(fresh), got
