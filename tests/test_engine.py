@@ -275,6 +275,19 @@ def _overlap_rank(rank: int, port: int, out: str) -> None:
                 engine.step()
         params = [p.detach().flatten().tolist() for p in engine.module.parameters()]
         results[f"{name}/{clip}/{accum}"] = {"params": params, "buckets": buckets}
+    # a parameter used inside and outside a reentrant checkpoint takes two gradients in
+    # one backward pass: its bucket may be on the wire after the first; refused
+    cfg = _cfg(0, 0.0)
+    engine = build_engine(cfg, BatchPlan.for_world(GLOBAL, 2), _Branchy())
+    reducer = reduce.overlapped_reduce(engine, 0, "fp32")
+    x, y = _batch()
+    inputs = x[mine].clone().requires_grad_()  # else the reentrant part takes no grads
+    twice = torch.utils.checkpoint.checkpoint(engine.module.a, inputs, use_reentrant=True)
+    try:
+        engine.backward(((twice + engine.module.a(x[mine]) - y[mine]) ** 2).sum())
+        results["twice"] = "accepted"
+    except RuntimeError as e:
+        results["twice"] = str(e)
     with open(f"{out}.{rank}", "w") as f:
         json.dump(results, f)
     dist.barrier()
@@ -301,7 +314,8 @@ def test_the_overlapped_zero0_reduction_updates_as_plain_torch_does(tmp_path):
     """elastic's own ZeRO-0 all-reduce (fp32): the same steps as plain torch over the
     whole global batch, clipping off and on, with 2 micro-steps a step, and with a
     parameter that has a gradient on one rank only, one bucket a parameter (the ranks
-    start their all-reduces at different points; the pairs must still match)."""
+    start their all-reduces at different points; the pairs must still match); a
+    parameter that takes two gradients in one backward pass is refused in words."""
     out = str(tmp_path / "params.json")
     mp.start_processes(
         _overlap_rank, args=(_free_port(), out), nprocs=2, join=True, start_method="spawn"
@@ -309,6 +323,7 @@ def test_the_overlapped_zero0_reduction_updates_as_plain_torch_does(tmp_path):
     for rank in (0, 1):
         with open(f"{out}.{rank}") as f:
             got = json.load(f)
+        assert "two gradients in one backward" in got.pop("twice")
         for key, run in got.items():
             name, clip, _ = key.split("/")
             want = _reference(float(clip)) if name == "mlp" else _branchy_reference()

@@ -3,9 +3,9 @@
 DeepSpeed at ZeRO-0 (fp32) reduces after the whole backward pass: it flattens every
 gradient into a new buffer, scales it by 1/world, all-reduces it and copies it back,
 three memory passes over the gradients that nothing overlaps (9-12% of a smoke-model
-step on 2 cores: docs/performance.md#step-overhead). Here each gradient goes, as soon as
-autograd has accumulated it, into its slot of a flat bucket, scaled on the way (one
-pass, while it is still in cache), ``param.grad`` becomes a view of that slot, and a
+step on 2 cores in a profile: docs/performance.md#step-overhead). Here each gradient
+goes, as soon as autograd has accumulated it, into its slot of a flat bucket, scaled on
+the way (one pass, while it is still in cache), ``param.grad`` becomes a view of that slot, and a
 bucket's all-reduce starts as soon as its last gradient is in: in a fixed bucket order
 on every rank, so the collectives pair up whatever order the gradients come in.
 :meth:`OverlappedReduce.finish` waits for them before the optimizer step. Buckets as
@@ -78,6 +78,7 @@ class OverlappedReduce:
     def _new_step(self) -> None:
         self.seen: set[torch.Tensor] = set()  # parameters with a gradient this step
         self._ready = [0] * len(self.buckets)  # of each bucket, in this micro-step
+        self._counted: set[torch.Tensor] = set()  # the parameters _ready counts
         self._launched: list[Any] = []  # the all-reduces started, in bucket order
 
     def _accumulated(self, p: torch.Tensor) -> None:
@@ -103,6 +104,13 @@ class OverlappedReduce:
             )
         self.seen.add(p)
         if self.engine.is_gradient_accumulation_boundary():
+            if p in self._counted:  # its bucket may be on the wire already
+                raise RuntimeError(
+                    "elastic.train.reduce: a parameter took two gradients in one backward "
+                    "pass (reentrant activation checkpointing?); set "
+                    "strategy.overlap_reduce=false"
+                )
+            self._counted.add(p)
             b = self.bucket_of[p]
             self._ready[b] += 1
             while len(self._launched) < len(self.buckets):
