@@ -249,11 +249,14 @@ def _overlap_rank(rank: int, port: int, out: str) -> None:
     _join_two_ranks(rank, port)
     import torch.distributed as dist
 
+    from elastic.config.schema import StrategyConfig
     from elastic.train import reduce
     from elastic.train.batch import BatchPlan
     from elastic.train.engine import build_engine
 
     mine = slice(rank * GLOBAL // 2, (rank + 1) * GLOBAL // 2)
+    overlapping = StrategyConfig(zero_stage=0, overlap_reduce=True)
+    assert reduce.overlapped_reduce(None, StrategyConfig(zero_stage=0)) is None  # off: asked
     results = {}
     for name, clip, accum in (("mlp", 0.0, 1), ("mlp", 0.5, 1), ("mlp", 0.0, 2), ("branchy", 0, 1)):
         cfg = _cfg(0, clip)
@@ -264,7 +267,7 @@ def _overlap_rank(rank: int, port: int, out: str) -> None:
         engine = build_engine(cfg, plan, model)
         if name == "branchy":  # a bucket a parameter: rank 1's first ones never fill
             reduce.FIRST_BUCKET_BYTES = reduce.BUCKET_BYTES = 4
-        reducer = reduce.overlapped_reduce(engine, 0, "fp32")
+        reducer = reduce.overlapped_reduce(engine, overlapping)
         assert reducer is not None and engine.enable_backward_allreduce is False
         buckets = len(reducer.buckets)
         for _ in range(STEPS):
@@ -279,7 +282,7 @@ def _overlap_rank(rank: int, port: int, out: str) -> None:
     # one backward pass: its bucket may be on the wire after the first; refused
     cfg = _cfg(0, 0.0)
     engine = build_engine(cfg, BatchPlan.for_world(GLOBAL, 2), _Branchy())
-    reducer = reduce.overlapped_reduce(engine, 0, "fp32")
+    reducer = reduce.overlapped_reduce(engine, overlapping)
     x, y = _batch()
     inputs = x[mine].clone().requires_grad_()  # else the reentrant part takes no grads
     twice = torch.utils.checkpoint.checkpoint(engine.module.a, inputs, use_reentrant=True)

@@ -281,11 +281,8 @@ class _Trainer:
         self.classes = getattr(cfg.model, "classes", 0)
         self.beta = getattr(cfg.model, "beta", 1.0)
         self.device = engine.device
-        st = cfg.strategy
-        # fp32 ZeRO-0: the gradient all-reduce is elastic's, overlapped with backward
-        self.reducer = (
-            overlapped_reduce(engine, st.zero_stage, st.precision) if st.overlap_reduce else None
-        )
+        # fp32 ZeRO-0, where asked: the gradient all-reduce elastic's, beside backward
+        self.reducer = overlapped_reduce(engine, cfg.strategy)
         self.dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
         self.times = PhaseTimes()
         # every rank's figures each log interval: who is slow (stragglers.*)

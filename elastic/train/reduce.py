@@ -32,16 +32,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic.config.schema import StrategyConfig
 from elastic.train.timing import CollectiveClock
 
 FIRST_BUCKET_BYTES = 1 << 20  # torch DDP's: the first all-reduce starts early
 BUCKET_BYTES = 25 << 20  # and its bucket_cap_mb for the rest
 
 
-def overlapped_reduce(engine: Any, zero_stage: int, precision: str) -> OverlappedReduce | None:
-    """Take the gradient reduction over from ``engine`` where this module can (fp32
-    ZeRO-0, a plain torch optimizer); None, and DeepSpeed's left in place, otherwise."""
-    if zero_stage != 0 or precision != "fp32":
+def overlapped_reduce(engine: Any, strategy: StrategyConfig) -> OverlappedReduce | None:
+    """Take the gradient reduction over from ``engine`` where asked
+    (``strategy.overlap_reduce``) and where this module can (fp32 ZeRO-0, a plain torch
+    optimizer); None, and DeepSpeed's left in place, otherwise."""
+    if not strategy.overlap_reduce or strategy.zero_stage != 0 or strategy.precision != "fp32":
         return None
     if type(engine.optimizer).__module__.split(".")[0] == "deepspeed":
         return None  # one of DeepSpeed's optimizer wrappers: it keeps its own gradients
@@ -54,6 +56,8 @@ class OverlappedReduce:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.world = dist.get_world_size()
+        # the whole step in one micro-step: a gradient is scaled as it is copied
+        self.fused = engine.gradient_accumulation_steps() == 1
         params = [p for p in engine.module.parameters() if p.requires_grad]
         self.buckets: list[torch.Tensor] = []
         self.views: dict[torch.Tensor, torch.Tensor] = {}
@@ -92,7 +96,7 @@ class OverlappedReduce:
                     "elastic.train.reduce: a parameter's gradient was replaced between "
                     "micro-steps of one step; the overlapped reduction cannot sum it"
                 )
-            if self._fused:  # the whole step in one micro-step: scale on the way
+            if self.fused:
                 torch.mul(grad, 1.0 / self.world, out=view)
             else:
                 view.copy_(grad)
@@ -119,12 +123,8 @@ class OverlappedReduce:
                     break
                 self._launch(nxt)
 
-    @property
-    def _fused(self) -> bool:
-        return bool(self.engine.gradient_accumulation_steps() == 1)
-
     def _launch(self, b: int) -> None:
-        if not self._fused:
+        if not self.fused:
             self.buckets[b].mul_(1.0 / self.world)
         self._launched.append(dist.all_reduce(self.buckets[b], async_op=True))
 

@@ -52,8 +52,7 @@ def main() -> None:
 
     torch.manual_seed(cfg.trainer.seed)
     engine = build_engine(cfg, plan, cfg.model.build())
-    st = cfg.strategy  # and the gradient all-reduce elastic's loop would use
-    reducer = overlapped_reduce(engine, st.zero_stage, st.precision) if st.overlap_reduce else None
+    reducer = overlapped_reduce(engine, cfg.strategy)  # the all-reduce elastic's loop uses
     dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
     batches = len(x) // per_rank
     start = 0.0
