@@ -5,9 +5,10 @@ gradient into a new buffer, scales it by 1/world, all-reduces it and copies it b
 three memory passes over the gradients that nothing overlaps (9-12% of a smoke-model
 step on 2 cores in a profile: docs/performance.md#step-overhead). Here each gradient
 goes, as soon as autograd has accumulated it, into its slot of a flat bucket, scaled on
-the way (one pass, while it is still in cache), ``param.grad`` becomes a view of that slot, and a
-bucket's all-reduce starts as soon as its last gradient is in: in a fixed bucket order
-on every rank, so the collectives pair up whatever order the gradients come in.
+the way (one pass, while it is still in cache), ``param.grad`` becomes a view of that
+slot, and a bucket's all-reduce starts as soon as its last gradient is in: in a fixed
+bucket order on every rank, so the collectives pair up whatever order the gradients
+come in.
 :meth:`OverlappedReduce.finish` waits for them before the optimizer step. Buckets as
 torch's DDP: parameters in reverse order (roughly the order backward produces them),
 1 MiB for the first bucket, 25 MiB for the others.
