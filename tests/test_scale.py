@@ -56,6 +56,20 @@ def test_a_line_through_two_points_is_never_carried_out():
     assert fit([2, 8, 16], [17.5, 17.1, 19.5]).trusted
 
 
+def test_a_parabola_opening_downward_is_never_carried_out():
+    """A cost that grows more slowly than a line must not be carried out as a parabola
+    that turns over: measured on 2026-12-05 (a ZeRO-3 checkpoint's write, 1M-300M
+    parameters) it came out at -8.9 s for 1B parameters."""
+    sizes = [1e6, 3e6, 1e7, 3e7, 1e8, 3e8]
+    write_s = [0.093, 0.06, 0.295, 0.659, 2.12, 4.33]
+    for x, y in ((sizes, write_s), (SIZES, [5 * v**0.5 for v in SIZES])):
+        law = fit(x, y)
+        assert law.model != "quadratic", law
+        if law.trusted:  # carried out, it keeps growing: never below the largest measured
+            assert law.at(10 * x[-1]) >= y[-1], law
+            assert law.at(1000 * x[-1]) >= law.at(10 * x[-1]), law
+
+
 def test_a_fit_refuses_what_it_cannot_fit():
     with pytest.raises(ValueError, match="2 or more"):
         fit([4], [1.0])

@@ -1,7 +1,9 @@
 """How a measured cost grows, and where that puts it at sizes never measured.
 
 A series (sizes x > 0, values y) is fitted by least squares to a constant, a line in
-log(x), a line in x, and (from 5 points) a quadratic. The law kept is the one that
+log(x), a line in x, and (from 5 points) a quadratic opening upward (one opening
+downward turns over and goes negative past the sizes measured: never a law to carry
+out). The law kept is the one that
 *extrapolates* best on the points themselves: each candidate, fitted to every size but
 the largest, predicts the largest, and the candidate that misses it least (relatively)
 wins. A miss within 5 points, or 3 noise widths, of the best is as good (the noise:
@@ -130,6 +132,16 @@ def _scatter(model: str, x: np.ndarray, y: np.ndarray) -> float:
     return math.sqrt(float((residuals**2).sum()) / max(1, len(x) - a.shape[1]))
 
 
+def _opens_upward(xs: np.ndarray, ys: np.ndarray) -> bool:
+    """Whether the parabola through every point, and the one through every point but the
+    largest, both open upward (c > 0). One opening downward turns over past its vertex,
+    close to the sizes measured: carried out 100x further it gives a cost that falls,
+    then goes negative (a 300M-parameter checkpoint's write, 4.3 s, came out at -8.9 s
+    for 1B parameters). Such a series is sublinear or noisy there: a line or a log,
+    not a parabola, is its law."""
+    return bool(_solve("quadratic", xs, ys)[2] > 0 and _solve("quadratic", xs[:-1], ys[:-1])[2] > 0)
+
+
 def fit(x: list[float], y: list[float]) -> Fit:
     """The law of ``y`` over ``x`` that extrapolates best (see the module docstring)."""
     xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
@@ -147,6 +159,8 @@ def fit(x: list[float], y: list[float]) -> Fit:
     candidates = [
         m for m, k in params_of.items() if k < n and (m != "quadratic" or n >= QUADRATIC_FROM)
     ]
+    if "quadratic" in candidates and not _opens_upward(xs, ys):
+        candidates.remove("quadratic")
     scale = max(float(np.abs(ys).max()), 1e-300)
     misses: dict[str, float] = {}
     for m in candidates:
