@@ -6,8 +6,10 @@ a parameter, a bitmap's bit a sample)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ import pytest
 from elastic.bench.scale.fit import fit
 from elastic.bench.scale.plot import markdown
 from elastic.bench.scale.world import epoch_start_s
-from elastic.cluster.localcluster import REPO
+from elastic.cluster.localcluster import REPO, CpuClock, RayCluster
 
 SIZES = [2, 4, 8, 16, 24]
 
@@ -127,3 +129,45 @@ def test_bench_scale_model_and_data_series(tmp_path):
         "bench-scale-data.png",
         "bench-scale-model.png",
     ]
+
+
+def test_the_cpu_clock_files_a_pooled_worker_under_what_it_became():
+    """bench scale's head-side CPU by kind of process (``head_cpu_by_process``): a Ray
+    worker process seen idle in the pool and then given an actor spends its seconds from
+    then on as that actor. (The kind was fixed at first sight: every actor on the head,
+    Ray Train's controller among them, was filed as an idle pooled worker.)"""
+    import ray
+
+    cluster = RayCluster(0)
+    try:
+        ray.init(address=cluster.address)
+        clock = CpuClock(cluster, period_s=0.1)
+        deadline = time.monotonic() + 60
+        while "ray_idle" not in clock.head_kinds[-1] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        seen_idle = set(clock._last)
+
+        @ray.remote(num_cpus=0)
+        class Burner:
+            def pid(self) -> int:
+                return os.getpid()
+
+            def burn(self, seconds: float) -> None:
+                end = time.process_time() + seconds
+                while time.process_time() < end:
+                    pass
+
+        burner = Burner.remote()
+        pid = ray.get(burner.pid.remote())
+        assert pid in seen_idle, "Ray gave the actor a process the clock never saw idle"
+        time.sleep(0.5)
+        t0 = time.time()
+        ray.get(burner.burn.remote(1.5))
+        time.sleep(0.5)
+        by_kind = clock.head_by_kind(t0, time.time())
+        clock.stop()
+        assert by_kind.get("ray::Burner", 0.0) >= 1.2, by_kind
+        assert by_kind.get("ray_idle", 0.0) < 0.5, by_kind
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

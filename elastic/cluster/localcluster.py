@@ -451,35 +451,41 @@ class CpuClock(threading.Thread):
     workers: Ray Train's controller, Ray Data's reads) apart from the worker side (the
     worker nodes' processes). A process that ends keeps the seconds it had used at its
     last sample. On a machine with fewer cores than processes, wall times stretch with
-    the process count; CPU seconds tell what each side did, whatever the sharing."""
+    the process count; CPU seconds tell what each side did, whatever the sharing.
+    Without a ``cluster``, every process under this one is the head side (a run's or a
+    peer's whole tree, as ``bench overhead`` counts it)."""
 
-    def __init__(self, cluster: RayCluster, period_s: float = 0.5) -> None:
+    def __init__(self, cluster: RayCluster | None, period_s: float = 0.5) -> None:
         super().__init__(name="cpu-clock", daemon=True)
         self.cluster, self.period_s = cluster, period_s
         self.samples: list[tuple[float, float, float]] = []  # (time, head s, worker s)
         self.head_kinds: list[dict[str, float]] = []  # each sample's head s by process
-        self._last: dict[int, tuple[float, bool, str]] = {}  # pid -> (cpu s, worker, kind)
+        self._last: dict[int, tuple[float, bool]] = {}  # pid -> (cpu s, worker)
+        self._kinds: dict[str, float] = {}  # head s so far by kind of process
         self._stop_event = threading.Event()
         self._sample()
         self.start()
 
     def _sample(self) -> None:
-        workers = self.cluster.worker_side_pids()
+        workers = self.cluster.worker_side_pids() if self.cluster is not None else set()
         me = os.getpid()
         for p in psutil.Process(me).children(recursive=True):
             try:
                 t = p.cpu_times()
-                kind = self._last[p.pid][2] if p.pid in self._last else _kind(p)
+                # asked every time: a pooled worker ("ray_idle") becomes an actor or a
+                # task's process later, and its seconds from then on are that kind's
+                kind = _kind(p)
             except psutil.Error:
                 continue
-            self._last[p.pid] = (t.user + t.system, p.pid in workers, kind)
-        kinds: dict[str, float] = {}
-        for s, w, kind in self._last.values():
-            if not w:
-                kinds[kind] = kinds.get(kind, 0.0) + s
-        worker = sum(s for s, w, _ in self._last.values() if w)
-        self.samples.append((time.time(), sum(kinds.values()), worker))
-        self.head_kinds.append(kinds)
+            used, worker = t.user + t.system, p.pid in workers
+            if not worker:
+                since = used - self._last.get(p.pid, (0.0, False))[0]
+                self._kinds[kind] = self._kinds.get(kind, 0.0) + since
+            self._last[p.pid] = (used, worker)
+        worker_s = sum(s for s, w in self._last.values() if w)
+        head_s = sum(s for s, w in self._last.values() if not w)
+        self.samples.append((time.time(), head_s, worker_s))
+        self.head_kinds.append(dict(self._kinds))
 
     def head_by_kind(self, t0: float, t1: float) -> dict[str, float]:
         """The head side's CPU seconds from ``t0`` to ``t1`` by kind of process (the
@@ -522,8 +528,8 @@ def _kind(p: psutil.Process) -> str:
     ``gcs_server``, ``driver`` (launch/run.py), ``ray_idle`` (a pooled worker) ..."""
     cmd = p.cmdline()
     name = cmd[0] if cmd else p.name()
-    if name.startswith("ray::"):
-        return name.split()[0]
+    if name.startswith("ray::"):  # an actor's title names the method it runs: not kept
+        return name.split()[0].split(".")[0]
     if any(c.endswith("launch/run.py") for c in cmd):
         return "driver"
     if any("default_worker.py" in c for c in cmd):
