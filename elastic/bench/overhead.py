@@ -21,12 +21,17 @@ import os
 import shutil
 import statistics
 import tempfile
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 from elastic.bench.common import smoke_config, torchrun_json, train
+from elastic.cluster.localcluster import CpuClock
 
 HELP = "step time vs plain torchrun DDP"
 STEP_RATIO_TARGET = 1.05  # elastic's steady-state step time over torchrun DDP's, at most
 WARMUP_STEPS = 20
+CPU_PERIOD_S = 0.5  # how often every process's CPU seconds are read
 # Student's t, two-sided 95%, by degrees of freedom (rounds - 1)
 T95 = {1: 12.71, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
@@ -56,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="extra config overrides for the elastic run")
 
 
-def _elastic_step_s(overrides: list[str], steps: int, workdir: str) -> dict[str, float]:
+def _elastic_step_s(overrides: list[str], steps: int, workdir: str) -> dict[str, Any]:
     """Step times of one elastic run after warm-up, from its 10-step log intervals.
 
     ``steady``: the median over the intervals after the first epoch (the train split
@@ -72,25 +77,29 @@ def _elastic_step_s(overrides: list[str], steps: int, workdir: str) -> dict[str,
             times[rec["step"]], epochs[rec["step"]] = rec["time"], rec["train/epoch"]
     logged = sorted(s for s in times if s >= WARMUP_STEPS)
     first, later = [], []  # an interval holding the first epoch's end is in neither
+    steady_from = None
     for a, b in zip(logged[:-1], logged[1:], strict=True):
         per_step = (times[b] - times[a]) / (b - a)
         if epochs[b] == 0:
             first.append(per_step)
         elif epochs[a] >= 1:
             later.append(per_step)
+            steady_from = a if steady_from is None else steady_from
     if not first or not later:
         raise SystemExit(
             f"bench overhead: --steps {steps} does not reach past the first epoch after "
             f"{WARMUP_STEPS} warm-up steps; give more steps"
         )
+    assert steady_from is not None  # ``later`` is not empty
     return {
         "steady": statistics.median(later),
         "first_epoch": statistics.median(first),
         "with_epoch_starts": (times[logged[-1]] - times[logged[0]]) / (logged[-1] - logged[0]),
+        "window": (times[steady_from], times[logged[-1]], logged[-1] - steady_from),
     }
 
 
-def _ddp_step_s(cfg, steps: int) -> float:
+def _ddp_step_s(cfg, steps: int) -> dict:
     args = [
         "--data", cfg.data.path, "--input-dim", str(cfg.model.input_dim),
         "--hidden-dims", ",".join(map(str, cfg.model.hidden_dims)),
@@ -98,14 +107,45 @@ def _ddp_step_s(cfg, steps: int) -> float:
         "--global-batch", str(cfg.data.global_batch_size), "--lr", str(cfg.optim.lr),
         "--steps", str(steps), "--warmup", str(WARMUP_STEPS),
     ]  # fmt: skip
-    return float(torchrun_json(cfg.scaling.max_workers, "ddp_step.py", args)["step_s"])
+    return torchrun_json(cfg.scaling.max_workers, "ddp_step.py", args)
 
 
-def _deepspeed_step_s(cfg, overrides: list[str], steps: int) -> float:
+def _deepspeed_step_s(cfg, overrides: list[str], steps: int) -> dict:
     """DeepSpeed under torchrun, the engine elastic builds from the same config."""
     args = ["--steps", str(steps), "--warmup", str(WARMUP_STEPS), "--"]
     args += ["+experiment=smoke", *overrides]
-    return float(torchrun_json(cfg.scaling.max_workers, "ds_step.py", args)["step_s"])
+    return torchrun_json(cfg.scaling.max_workers, "ds_step.py", args)
+
+
+TRAINING = "ray::RayTrainWorker"  # the kind of an elastic run's training processes
+
+
+def _cpu_ms(clock: CpuClock, window: tuple[float, float, int]) -> dict[str, Any]:
+    """CPU milliseconds a step over ``window`` (from, to, steps), every process of the
+    run or the peer counted (``clock``: this process's children): ``total``, and for an
+    elastic run the training workers' apart from everything else it keeps running
+    (``resident``: Ray's processes, actors and pooled workers, the driver), by kind."""
+    t0, t1, steps = window
+    kinds = {k: 1e3 * v / steps for k, v in clock.head_by_kind(t0, t1).items()}
+    training = sum(v for k, v in kinds.items() if k.startswith(TRAINING))
+    return {
+        "total": sum(kinds.values()),
+        "training": training,
+        "resident": sum(kinds.values()) - training,
+        "by_kind": {k: round(v, 3) for k, v in kinds.items() if v >= 0.05},
+    }
+
+
+def _counted(run: Callable[[], dict]) -> tuple[dict, dict[str, Any]]:
+    """``run()``'s result, and the CPU a step of every process it started over the
+    steps it timed (its ``window``)."""
+    clock = CpuClock(None, period_s=CPU_PERIOD_S)
+    try:
+        result = run()
+    finally:
+        clock.stop()
+    t0, t1, *steps = result["window"]  # a peer's: [from, to], and its "steps" apart
+    return result, _cpu_ms(clock, (t0, t1, steps[0] if steps else result["steps"]))
 
 
 def _stages(text: str) -> list[int]:
@@ -128,6 +168,32 @@ def _figures(ratios: list[float]) -> dict[str, float | bool | None]:
     }
 
 
+def _cpu_figures(cpu_rounds: list[dict[str, dict[str, Any]]], run: str, peer: str) -> dict:
+    """CPU a step of ``run`` and its ``peer`` (medians over the rounds, in ms) and the
+    ratio of their totals with its interval: on a noisy machine, where wall time
+    stretches with what else the host runs, the CPU a step is the steadier count of what
+    each costs (it leaves out time spent waiting: it is no verdict on step time)."""
+
+    def median(key: str, part: str) -> float:
+        return statistics.median(c[key][part] for c in cpu_rounds)
+
+    ratio, low, high = ratio_interval([c[run]["total"] / c[peer]["total"] for c in cpu_rounds])
+    kinds = {k for c in cpu_rounds for k in c[run]["by_kind"]}
+    by_kind = {
+        k: statistics.median(c[run]["by_kind"].get(k, 0.0) for c in cpu_rounds) for k in kinds
+    }
+    return {
+        "elastic_ms": median(run, "total"),
+        "elastic_training_ms": median(run, "training"),
+        "elastic_resident_ms": median(run, "resident"),
+        "elastic_by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "peer_ms": median(peer, "total"),
+        "ratio": ratio,
+        "ratio_ci_low": low,
+        "ratio_ci_high": high,
+    }
+
+
 def measure(args: argparse.Namespace) -> dict:
     from elastic.train.driver import prepare_data
 
@@ -138,23 +204,34 @@ def measure(args: argparse.Namespace) -> dict:
     for s in stages:
         runs += [("elastic", s), ("deepspeed", s)]
     rounds = []
+    cpu_rounds: list[dict[str, dict[str, Any]]] = []  # CPU ms a step, by run
     workdir = tempfile.mkdtemp(prefix="elastic-bench-")
     try:
         for r in range(args.rounds):
             result: dict[str, float] = {}
+            cpu: dict[str, dict[str, Any]] = {}
             shift = r % len(runs)  # each round starts one run further on
             for who, stage in runs[shift:] + runs[:shift]:
                 overrides = [f"strategy.zero_stage={stage}", *args.overrides]
                 if who == "ddp":
-                    result["ddp"] = _ddp_step_s(cfg, args.steps)
+                    out, cpu["ddp"] = _counted(partial(_ddp_step_s, cfg, args.steps))
+                    result["ddp"] = float(out["step_s"])
                 elif who == "deepspeed":
-                    result[f"deepspeed_zero{stage}"] = _deepspeed_step_s(cfg, overrides, args.steps)
+                    name = f"deepspeed_zero{stage}"
+                    out, cpu[name] = _counted(
+                        partial(_deepspeed_step_s, cfg, overrides, args.steps)
+                    )
+                    result[name] = float(out["step_s"])
                 else:
-                    step_s = _elastic_step_s(overrides, args.steps, workdir)
-                    result[f"elastic_zero{stage}"] = step_s["steady"]
-                    result[f"elastic_zero{stage}_first_epoch"] = step_s["first_epoch"]
-                    result[f"elastic_zero{stage}_with_epoch_starts"] = step_s["with_epoch_starts"]
+                    name = f"elastic_zero{stage}"
+                    step_s, cpu[name] = _counted(
+                        partial(_elastic_step_s, overrides, args.steps, workdir)
+                    )
+                    result[name] = step_s["steady"]
+                    result[f"{name}_first_epoch"] = step_s["first_epoch"]
+                    result[f"{name}_with_epoch_starts"] = step_s["with_epoch_starts"]
             rounds.append(result)
+            cpu_rounds.append(cpu)
             print(
                 f"round {r + 1}: "
                 + ", ".join(f"{k} {v * 1e3:.2f} ms/step" for k, v in result.items()),
@@ -186,6 +263,7 @@ def measure(args: argparse.Namespace) -> dict:
             "ratio_first_epoch": median(f"{el}_first_epoch") / median(peer),
             "elastic_step_s_with_epoch_starts": median(f"{el}_with_epoch_starts"),
             "ratio_with_epoch_starts": median(f"{el}_with_epoch_starts") / median(peer),
+            "cpu": _cpu_figures(cpu_rounds, el, peer),
         }
     main = by_stage[str(stages[0])]
     verdicts = [v["met"] for v in by_stage.values()]
@@ -211,6 +289,7 @@ def measure(args: argparse.Namespace) -> dict:
         },
         "target": STEP_RATIO_TARGET,
         "rounds": rounds,
+        "cpu_rounds": cpu_rounds,
         "setup": {
             "experiment": "smoke",
             "zero_stages": stages,
@@ -234,6 +313,10 @@ def measure(args: argparse.Namespace) -> dict:
             f"target <= {STEP_RATIO_TARGET:.2f} over the whole interval); vs DDP "
             f"{v['vs_ddp']['ratio']:.3f}, vs DeepSpeed {v['vs_deepspeed']['ratio']:.3f}, "
             f"DeepSpeed vs DDP {v['deepspeed_vs_ddp']['ratio']:.3f}; first epoch "
-            f"{v['elastic_first_epoch_step_s'] * 1e3:.2f} ms/step"
+            f"{v['elastic_first_epoch_step_s'] * 1e3:.2f} ms/step; CPU a step "
+            f"{v['cpu']['elastic_ms']:.1f} ms (training workers "
+            f"{v['cpu']['elastic_training_ms']:.1f}, Ray's resident processes and the "
+            f"driver {v['cpu']['elastic_resident_ms']:.1f}) vs the peer's "
+            f"{v['cpu']['peer_ms']:.1f}: {v['cpu']['ratio']:.3f}"
         )
     return report
