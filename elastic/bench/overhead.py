@@ -11,7 +11,10 @@ the shards on the same cores, is reported apart. Each round runs every run once,
 round starting one run further on; a ratio is the geometric mean of the rounds' ratios,
 with its 95% confidence interval (Student's t over the rounds' log ratios), and the
 verdict is on the interval's upper end: met only when the whole interval is at or
-under the target. Writes bench-overhead.json."""
+under the target. Beside each run's step time, the CPU a step of every process it
+started, counted from outside over the steps it timed (``cpu`` per stage, ``cpu_rounds``):
+elastic's training workers apart from Ray's resident processes and the driver.
+Writes bench-overhead.json."""
 
 from __future__ import annotations
 
@@ -170,9 +173,10 @@ def _figures(ratios: list[float]) -> dict[str, float | bool | None]:
 
 def _cpu_figures(cpu_rounds: list[dict[str, dict[str, Any]]], run: str, peer: str) -> dict:
     """CPU a step of ``run`` and its ``peer`` (medians over the rounds, in ms) and the
-    ratio of their totals with its interval: on a noisy machine, where wall time
-    stretches with what else the host runs, the CPU a step is the steadier count of what
-    each costs (it leaves out time spent waiting: it is no verdict on step time)."""
+    ratio of their totals with its interval: where a step's work goes (elastic's
+    training workers apart from what Ray keeps running beside them), not a verdict on
+    step time (it leaves out waiting, and on a loaded host CPU seconds stretch too: the
+    DDP peer's ranged 279-387 ms a step in two rounds on 2026-12-05)."""
 
     def median(key: str, part: str) -> float:
         return statistics.median(c[key][part] for c in cpu_rounds)
