@@ -6,10 +6,8 @@ a parameter, a bitmap's bit a sample)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -17,7 +15,7 @@ import pytest
 from elastic.bench.scale.fit import fit
 from elastic.bench.scale.plot import markdown
 from elastic.bench.scale.world import epoch_start_s
-from elastic.cluster.localcluster import REPO, CpuClock, RayCluster
+from elastic.cluster.localcluster import REPO
 
 SIZES = [2, 4, 8, 16, 24]
 
@@ -131,43 +129,56 @@ def test_bench_scale_model_and_data_series(tmp_path):
     ]
 
 
+CLOCK_SCRIPT = """
+import json, os, time
+import ray
+from elastic.cluster.localcluster import CpuClock, RayCluster
+
+cluster = RayCluster(0)
+try:
+    ray.init(address=cluster.address)
+    clock = CpuClock(cluster, period_s=0.1)
+    deadline = time.monotonic() + 60
+    while "ray_idle" not in clock.head_kinds[-1] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    seen_idle = set(clock._last)
+
+    @ray.remote(num_cpus=0)
+    class Burner:
+        def pid(self):
+            return os.getpid()
+
+        def burn(self, seconds):
+            end = time.process_time() + seconds
+            while time.process_time() < end:
+                pass
+
+    burner = Burner.remote()
+    pid = ray.get(burner.pid.remote())
+    time.sleep(0.5)
+    t0 = time.time()
+    ray.get(burner.burn.remote(1.5))
+    time.sleep(0.5)
+    by_kind = clock.head_by_kind(t0, time.time())
+    clock.stop()
+    print(json.dumps({"seen_idle": pid in seen_idle, "by_kind": by_kind}))
+finally:
+    ray.shutdown()
+    cluster.shutdown()
+"""
+
+
 def test_the_cpu_clock_files_a_pooled_worker_under_what_it_became():
     """bench scale's head-side CPU by kind of process (``head_cpu_by_process``): a Ray
     worker process seen idle in the pool and then given an actor spends its seconds from
     then on as that actor. (The kind was fixed at first sight: every actor on the head,
-    Ray Train's controller among them, was filed as an idle pooled worker.)"""
-    import ray
-
-    cluster = RayCluster(0)
-    try:
-        ray.init(address=cluster.address)
-        clock = CpuClock(cluster, period_s=0.1)
-        deadline = time.monotonic() + 60
-        while "ray_idle" not in clock.head_kinds[-1] and time.monotonic() < deadline:
-            time.sleep(0.2)
-        seen_idle = set(clock._last)
-
-        @ray.remote(num_cpus=0)
-        class Burner:
-            def pid(self) -> int:
-                return os.getpid()
-
-            def burn(self, seconds: float) -> None:
-                end = time.process_time() + seconds
-                while time.process_time() < end:
-                    pass
-
-        burner = Burner.remote()
-        pid = ray.get(burner.pid.remote())
-        assert pid in seen_idle, "Ray gave the actor a process the clock never saw idle"
-        time.sleep(0.5)
-        t0 = time.time()
-        ray.get(burner.burn.remote(1.5))
-        time.sleep(0.5)
-        by_kind = clock.head_by_kind(t0, time.time())
-        clock.stop()
-        assert by_kind.get("ray::Burner", 0.0) >= 1.2, by_kind
-        assert by_kind.get("ray_idle", 0.0) < 0.5, by_kind
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    Ray Train's controller among them, was filed as an idle pooled worker.) In a process
+    of its own: its driver joins a cluster of its own, not the session's Ray."""
+    out = subprocess.run(
+        [sys.executable, "-c", CLOCK_SCRIPT], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["seen_idle"], "Ray gave the actor a process the clock never saw idle"
+    assert found["by_kind"].get("ray::Burner", 0.0) >= 1.2, found
+    assert found["by_kind"].get("ray_idle", 0.0) < 0.5, found
