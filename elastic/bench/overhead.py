@@ -98,7 +98,8 @@ def _elastic_step_s(overrides: list[str], steps: int, workdir: str) -> dict[str,
         "steady": statistics.median(later),
         "first_epoch": statistics.median(first),
         "with_epoch_starts": (times[logged[-1]] - times[logged[0]]) / (logged[-1] - logged[0]),
-        "window": (times[steady_from], times[logged[-1]], logged[-1] - steady_from),
+        "window": (times[steady_from], times[logged[-1]]),  # the steady steps, as a peer's
+        "steps": logged[-1] - steady_from,
     }
 
 
@@ -141,14 +142,14 @@ def _cpu_ms(clock: CpuClock, window: tuple[float, float, int]) -> dict[str, Any]
 
 def _counted(run: Callable[[], dict]) -> tuple[dict, dict[str, Any]]:
     """``run()``'s result, and the CPU a step of every process it started over the
-    steps it timed (its ``window``)."""
+    steps it timed (its ``window``, epoch seconds from and to, over its ``steps``)."""
     clock = CpuClock(None, period_s=CPU_PERIOD_S)
     try:
         result = run()
     finally:
         clock.stop()
-    t0, t1, *steps = result["window"]  # a peer's: [from, to], and its "steps" apart
-    return result, _cpu_ms(clock, (t0, t1, steps[0] if steps else result["steps"]))
+    t0, t1 = result["window"]
+    return result, _cpu_ms(clock, (t0, t1, result["steps"]))
 
 
 def _stages(text: str) -> list[int]:
