@@ -488,14 +488,16 @@ class CpuClock(threading.Thread):
         self.head_kinds.append(dict(self._kinds))
 
     def head_by_kind(self, t0: float, t1: float) -> dict[str, float]:
-        """The head side's CPU seconds from ``t0`` to ``t1`` by kind of process (the
-        samples nearest inside the window), largest first."""
-        times = [s[0] for s in self.samples]
-        a = min(bisect.bisect_left(times, t0), len(times) - 1)
-        b = max(a, min(bisect.bisect_right(times, t1), len(times)) - 1)
-        first, last = self.head_kinds[a], self.head_kinds[b]
+        """The head side's CPU seconds from ``t0`` to ``t1`` by kind of process
+        (interpolated, as :meth:`between`), largest first."""
+        first, last = self._kinds_at(t0), self._kinds_at(t1)
         spent = {k: v - first.get(k, 0.0) for k, v in last.items()}
         return dict(sorted(((k, v) for k, v in spent.items() if v > 0), key=lambda kv: -kv[1]))
+
+    def _kinds_at(self, t: float) -> dict[str, float]:
+        i, j, f = self._bracket(t)
+        a, b = self.head_kinds[i], self.head_kinds[j]  # b holds every kind a does
+        return {k: a.get(k, 0.0) + f * (v - a.get(k, 0.0)) for k, v in b.items()}
 
     def run(self) -> None:
         while not self._stop_event.wait(self.period_s):
@@ -505,16 +507,22 @@ class CpuClock(threading.Thread):
         self._stop_event.set()
         self.join()
 
-    def at(self, t: float) -> tuple[float, float]:
-        """(head, worker) CPU seconds used by time ``t`` (epoch seconds), interpolated."""
+    def _bracket(self, t: float) -> tuple[int, int, float]:
+        """The samples either side of time ``t`` and how far from the first to the
+        second ``t`` lies (0 to 1); before the first sample or after the last, that one."""
         times = [s[0] for s in self.samples]
         i = bisect.bisect_left(times, t)
         if i == 0:
-            return self.samples[0][1:]
+            return 0, 0, 0.0
         if i == len(times):
-            return self.samples[-1][1:]
-        (t0, h0, w0), (t1, h1, w1) = self.samples[i - 1], self.samples[i]
-        f = (t - t0) / (t1 - t0) if t1 > t0 else 1.0
+            return i - 1, i - 1, 0.0
+        t0, t1 = times[i - 1], times[i]
+        return i - 1, i, (t - t0) / (t1 - t0) if t1 > t0 else 1.0
+
+    def at(self, t: float) -> tuple[float, float]:
+        """(head, worker) CPU seconds used by time ``t`` (epoch seconds), interpolated."""
+        i, j, f = self._bracket(t)
+        (_, h0, w0), (_, h1, w1) = self.samples[i], self.samples[j]
         return h0 + f * (h1 - h0), w0 + f * (w1 - w0)
 
     def between(self, t0: float, t1: float) -> tuple[float, float]:
