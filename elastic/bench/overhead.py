@@ -103,7 +103,8 @@ def _elastic_step_s(overrides: list[str], steps: int, workdir: str) -> dict[str,
     }
 
 
-def _ddp_step_s(cfg, steps: int) -> dict:
+def _ddp_peer(cfg, steps: int) -> dict:
+    """Plain DDP under torchrun: its rank 0's JSON line (``step_s``, ``window``, ``steps``)."""
     args = [
         "--data", cfg.data.path, "--input-dim", str(cfg.model.input_dim),
         "--hidden-dims", ",".join(map(str, cfg.model.hidden_dims)),
@@ -114,8 +115,9 @@ def _ddp_step_s(cfg, steps: int) -> dict:
     return torchrun_json(cfg.scaling.max_workers, "ddp_step.py", args)
 
 
-def _deepspeed_step_s(cfg, overrides: list[str], steps: int) -> dict:
-    """DeepSpeed under torchrun, the engine elastic builds from the same config."""
+def _deepspeed_peer(cfg, overrides: list[str], steps: int) -> dict:
+    """DeepSpeed under torchrun, the engine elastic builds from the same config: its
+    rank 0's JSON line (``step_s``, ``window``, ``steps``)."""
     args = ["--steps", str(steps), "--warmup", str(WARMUP_STEPS), "--"]
     args += ["+experiment=smoke", *overrides]
     return torchrun_json(cfg.scaling.max_workers, "ds_step.py", args)
@@ -124,18 +126,19 @@ def _deepspeed_step_s(cfg, overrides: list[str], steps: int) -> dict:
 TRAINING = "ray::RayTrainWorker"  # the kind of an elastic run's training processes
 
 
-def _cpu_ms(clock: CpuClock, window: tuple[float, float, int]) -> dict[str, Any]:
-    """CPU milliseconds a step over ``window`` (from, to, steps), every process of the
-    run or the peer counted (``clock``: this process's children): ``total``, and for an
-    elastic run the training workers' apart from everything else it keeps running
-    (``resident``: Ray's processes, actors and pooled workers, the driver), by kind."""
-    t0, t1, steps = window
-    kinds = {k: 1e3 * v / steps for k, v in clock.head_by_kind(t0, t1).items()}
+def _cpu_ms(clock: CpuClock, window: tuple[float, float], steps: int) -> dict[str, Any]:
+    """CPU milliseconds a step over ``window`` (epoch seconds from, to) of ``steps``,
+    every process of the run or the peer counted (``clock``: this process's children):
+    ``total``, and for an elastic run the training workers' apart from everything else
+    it keeps running (``resident``: Ray's processes, actors and pooled workers, the
+    driver), by kind."""
+    kinds = {k: 1e3 * v / steps for k, v in clock.head_by_kind(*window).items()}
+    total = sum(kinds.values())
     training = sum(v for k, v in kinds.items() if k.startswith(TRAINING))
     return {
-        "total": sum(kinds.values()),
+        "total": total,
         "training": training,
-        "resident": sum(kinds.values()) - training,
+        "resident": total - training,
         "by_kind": {k: round(v, 3) for k, v in kinds.items() if v >= 0.05},
     }
 
@@ -148,8 +151,7 @@ def _counted(run: Callable[[], dict]) -> tuple[dict, dict[str, Any]]:
         result = run()
     finally:
         clock.stop()
-    t0, t1 = result["window"]
-    return result, _cpu_ms(clock, (t0, t1, result["steps"]))
+    return result, _cpu_ms(clock, tuple(result["window"]), result["steps"])
 
 
 def _stages(text: str) -> list[int]:
@@ -219,13 +221,11 @@ def measure(args: argparse.Namespace) -> dict:
             for who, stage in runs[shift:] + runs[:shift]:
                 overrides = [f"strategy.zero_stage={stage}", *args.overrides]
                 if who == "ddp":
-                    out, cpu["ddp"] = _counted(partial(_ddp_step_s, cfg, args.steps))
+                    out, cpu["ddp"] = _counted(partial(_ddp_peer, cfg, args.steps))
                     result["ddp"] = float(out["step_s"])
                 elif who == "deepspeed":
                     name = f"deepspeed_zero{stage}"
-                    out, cpu[name] = _counted(
-                        partial(_deepspeed_step_s, cfg, overrides, args.steps)
-                    )
+                    out, cpu[name] = _counted(partial(_deepspeed_peer, cfg, overrides, args.steps))
                     result[name] = float(out["step_s"])
                 else:
                     name = f"elastic_zero{stage}"
