@@ -184,3 +184,60 @@ def test_head_names_the_nodes_that_did_not_join(tmp_path, how):
     assert jd.marked("done")
     assert "stopped this job's" in out.stdout
     assert not bootstrap.temp_dir("9", host).exists()
+
+
+POOL_PROBE = """
+import json, os, time
+import psutil, ray
+from elastic.cluster.connect import connect
+from elastic.config.schema import ClusterConfig, ScalingConfig
+
+def task_pid():
+    return os.getpid()
+
+def idle_workers():
+    me = psutil.Process()
+    return [p.pid for p in me.children(recursive=True) if p.name() == "ray::IDLE"]
+
+with connect(ClusterConfig(num_cpus=2), ScalingConfig()):
+    time.sleep(5)
+    at_start = idle_workers()
+    pid = ray.get(ray.remote(task_pid).remote())  # a task: a pooled process runs it
+    done = time.monotonic()
+    time.sleep(5)
+    alive_after_5s = psutil.pid_exists(pid)
+    while psutil.pid_exists(pid) and time.monotonic() - done < 90:
+        time.sleep(0.5)
+    monitor = [p for p in psutil.Process().children(recursive=True)
+               if any("log_monitor" in a for a in p.cmdline())]
+    print(json.dumps({
+        "at_start": at_start, "alive_after_5s": alive_after_5s,
+        "gone_after_s": None if psutil.pid_exists(pid) else time.monotonic() - done,
+        "monitor_env": {k: v for k, v in monitor[0].environ().items()
+                        if k in {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD",
+                                 "LOG_NAME_UPDATE_INTERVAL_S"}},
+    }))
+"""
+
+
+@pytest.mark.slow
+def test_an_embedded_node_keeps_an_idle_task_process_for_a_while_then_lets_it_go(tmp_path):
+    """Each idle Ray process takes ~1% of a core (its main thread checks signals every
+    10 ms), which a 2-core node takes out of training: elastic's nodes start none ahead
+    of need, keep a read task's process 30 s (a pause between reads, a worker group's
+    start after the driver's warm-up) and then let it go (Ray's own default kept it for
+    ever past 1 s below the CPU count, killed it at 1 s above). The log monitor lists
+    its folder every 0.5 s, not every 0.1 s."""
+    env = {k: v for k, v in os.environ.items() if k not in bootstrap.LOG_MONITOR_ENV}
+    env["PYTHONPATH"] = str(REPO)
+    out = subprocess.run(
+        [sys.executable, "-c", POOL_PROBE], env=env, cwd=tmp_path, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["at_start"] == [], f"processes started ahead of need: {got['at_start']}"
+    assert got["alive_after_5s"], "a read task's process died as soon as it idled"
+    assert got["gone_after_s"] is not None, "an idle task process lived on past 90 s"
+    assert 25 <= got["gone_after_s"] <= 45, got["gone_after_s"]
+    assert got["monitor_env"] == bootstrap.LOG_MONITOR_ENV

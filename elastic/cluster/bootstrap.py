@@ -53,16 +53,49 @@ HEALTH_ENV = {
     "RAY_health_check_failure_threshold": "3",
     "RAY_health_check_timeout_ms": "1000",
 }
-WORKER_POOL = {"num_workers_soft_limit": 64}
+WORKER_POOL = {
+    "num_workers_soft_limit": 0,
+    "idle_worker_killing_time_threshold_ms": 30_000,
+    "prestart_worker_first_driver": False,
+}
 """The worker pool of every Ray node elastic starts (Ray system config; the ``ray start``
-of a batch job gets it as ``RAY_num_workers_soft_limit``). Ray's default soft limit is
-the node's CPU count, past which an idle worker process is killed after 1 s: a
-training node holds more than that in actors (the workers, Ray Train's controller and
-helpers), so every Ray Data read task process was killed as soon as it idled (between
-two reads held back by ``data.prefetch_mb``, between executions, and the driver's
-warm-up ones before the worker group's first read), and the next read waited for a new
-one (~2-5 s on 2 busy cores). Only processes a node once needed at the same time are
-kept: the limit bounds how many idle ones may stay, it starts none."""
+of a batch job gets it as ``RAY_*`` variables, :func:`ray_env`): an idle worker process
+lives 30 s, then goes; none is started ahead for the driver.
+
+Ray's defaults fit neither end of a run. Its soft limit is the node's CPU count, past
+which an idle process is killed after 1 s: a training node holds more than that in
+actors (the workers, Ray Train's controller and helpers), so every Ray Data read task
+process was killed as soon as it idled (between two reads held back by
+``data.prefetch_mb``, between executions, and the driver's warm-up ones before the
+worker group's first read), and the next read waited for a new one (~2-5 s on 2 busy
+cores). Kept for ever instead (a soft limit of 64, until 2026-12-05), the read
+processes outlived their use: once every worker holds its split in its cache no task
+runs again, and each idle Ray process still takes ~1% of a core (its main thread
+wakes every 10 ms to check signals), out of the training's on a node with few cores.
+30 s covers a worker group's start (the warm-up's processes wait for its first read)
+and any pause in the reads a read-ahead buffer hides. The driver's two prestarted
+processes (Ray's ``prestart_worker_first_driver``) are of the job's runtime env, which
+no task or actor of a run uses (Ray Train's workers add to it): they only idled."""
+LOG_MONITOR_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "0.5"}
+"""Environment of a Ray node's log monitor (read as it starts: the environment of the
+``ray start`` or of the driver that starts an embedded node): it lists the log folder
+every 0.5 s, not at every pass of its 0.1 s loop (Ray does that below 1,000 log files):
+~2% of a core down to ~1% in a smoke run. A new process's log is seen up to 0.5 s later,
+from its first line."""
+
+
+def quiet_log_monitor() -> None:
+    """Before this process starts a Ray node (an embedded one, a test cluster's): its log
+    monitor inherits :data:`LOG_MONITOR_ENV` (a setting of the user's own wins)."""
+    for key, value in LOG_MONITOR_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def ray_env_value(value: object) -> str:
+    """A Ray system config value as a ``RAY_*`` variable (Ray reads "true"/"false")."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 # Per-job port blocks: every port a Ray node listens on comes from its block
 PORT_BASE, PORT_TOP, PORT_BLOCK = 10000, 32000, 200
 PORT_NAMES = (
@@ -353,13 +386,15 @@ def node_cpus() -> int:
 
 def ray_env(jobdir: JobDir, tag: str) -> dict[str, str]:
     """Environment of this job's Ray processes (and its driver): the job's token, fast
-    health checks, elastic's worker pool (:data:`WORKER_POOL`), and a tag by which
+    health checks, elastic's worker pool (:data:`WORKER_POOL`), a quieter log monitor
+    (:data:`LOG_MONITOR_ENV`, a setting of the user's own wins), and a tag by which
     teardown finds exactly this node's processes."""
     env = dict(os.environ)
     env.pop("RAY_AUTH_TOKEN", None)  # the job's token file, not somebody else's
     env.pop("RAY_ADDRESS", None)
     env.update(HEALTH_ENV)
-    env.update({f"RAY_{key}": str(value) for key, value in WORKER_POOL.items()})
+    env.update({f"RAY_{key}": ray_env_value(value) for key, value in WORKER_POOL.items()})
+    env.update({k: v for k, v in LOG_MONITOR_ENV.items() if k not in os.environ})
     env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(jobdir.token), TAG_ENV: tag})
     return env
 

@@ -163,7 +163,7 @@ def _start_embedded(
     """A one-machine Ray whose every process listens on loopback only."""
     import ray
 
-    from elastic.cluster.bootstrap import WORKER_POOL
+    from elastic.cluster.bootstrap import WORKER_POOL, quiet_log_monitor
     from elastic.cluster.ray_internals import ray_constants
 
     constants = ray_constants()
@@ -179,6 +179,7 @@ def _start_embedded(
     # believes it can only run alone (macOS, Windows): so it binds every server there.
     clusters = constants.ENABLE_RAY_CLUSTER
     constants.ENABLE_RAY_CLUSTER = False
+    quiet_log_monitor()
     try:
         ray.init(
             address="local",

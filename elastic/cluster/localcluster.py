@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from elastic.cluster.bootstrap import WORKER_POOL
+from elastic.cluster.bootstrap import WORKER_POOL, quiet_log_monitor
 from elastic.observe.tracking import HISTORY_FILE
 
 REPO = Path(__file__).resolve().parents[2]  # a source checkout: launch/run.py
@@ -48,6 +48,7 @@ class RayCluster:
         from ray.cluster_utils import Cluster
 
         self.node_cpus = node_cpus
+        quiet_log_monitor()  # as every Ray node elastic starts
         self.cluster = Cluster(
             initialize_head=True,
             head_node_args={

@@ -206,8 +206,8 @@ class WarmUp(threading.Thread):
 
     The processes are of the workers' runtime env (the job's with Ray Train's additions:
     :func:`~elastic.cluster.ray_internals.train_worker_env_vars`), since Ray gives a task
-    only a process of its own runtime env; an idle one lives on because elastic's Ray
-    clusters raise the worker pool's soft limit (:data:`elastic.cluster.bootstrap.WORKER_POOL`).
+    only a process of its own runtime env; an idle one lives 30 s on elastic's Ray nodes
+    (:data:`elastic.cluster.bootstrap.WORKER_POOL`), long enough for a worker group's start.
     A failure here is left to the workers' real read to report."""
 
     def __init__(
