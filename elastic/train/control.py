@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elastic.train.trainer import DrainWatching
+
 POLL_INTERVAL_S = 0.5
 SYNC_PERIOD_S = 0.25
 """About how often the ranks agree on their steps (:class:`SyncPace`)."""
@@ -20,8 +22,9 @@ SYNC_MAX_STEPS = 32
 """At most this many steps between two agreements."""
 
 
-class RunControl:
-    """Runs as a ``num_cpus=0`` Ray actor; plain methods, no Ray imports."""
+class RunControl(DrainWatching):
+    """Runs as a ``num_cpus=0`` Ray actor; plain methods, no Ray imports. It also
+    watches node drains for the fit's worker groups (:class:`DrainWatching`)."""
 
     def __init__(self) -> None:
         self._stop_reason: str | None = None

@@ -49,7 +49,7 @@ def interruptible(trainer_cls: type, control: Any = None) -> type:
             Trainer.previous_sigint = signal.signal(signal.SIGINT, handler)
 
         def _create_default_callbacks(self) -> list[Any]:
-            Trainer.drain_watcher = _drain_watcher()
+            Trainer.drain_watcher = _drain_watcher(control)
             callbacks = [*super()._create_default_callbacks(), Trainer.drain_watcher]
             if _has_dashboard():
                 return callbacks
@@ -93,40 +93,39 @@ def interruptible(trainer_cls: type, control: Any = None) -> type:
     return Trainer
 
 
-def _drain_watcher() -> Any:
-    """Ray Train's node-drain watcher callback with one watcher actor for the whole fit,
-    started with the callback (on the driver, as ``fit()`` begins), pinned to the
-    driver's node and pointed at each worker group as it starts.
+class DrainWatching:
+    """An actor that watches node drains for a fit's worker groups: Ray Train's watcher
+    (its poll loop, its drain handling) as a plain object in the actor's process, made
+    at the first :meth:`watch`. The run's control actor is one
+    (:class:`~elastic.train.control.RunControl`), so a run has no watcher process of its
+    own: each idle Ray process takes ~1% of a core (its main thread checks signals
+    every 10 ms), out of the training's on a node with few cores."""
 
-    Ray Train's own starts a new watcher actor after every worker group's start, i.e. a
-    new Ray worker process while the group reads its first epoch (~2.5 s of a core
-    here: on 2 cores the first epoch's reads took twice as long), and makes it with
-    max_restarts=-1 and the workers' handles as constructor arguments, which makes Ray
-    Core print an "E" line at every start (ray-project/ray#53727). This one's process
-    starts beside the controller's, before any worker reads, and it has no restarts:
-    on the driver's node it goes only with the driver. (Pinned hard: with a soft pin
-    the head's raylet at times passed the lease on to a worker node, and the first
-    drained node took the watcher with it: no later drain was seen.) Between groups it
-    watches no node. Ray Train's is turned off (:func:`interruptible`) and this one is
-    passed as a callback; :meth:`close` ends its actor."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    _drains: Any = None
 
+    def watch(
+        self, node_to_ranks: dict[str, list[int]], by_rank: dict[int, Any], poll_interval_s: float
+    ) -> None:
+        """Watch these nodes for drains, and tell these workers (a new watcher's state,
+        as Ray Train's gives each group); none between groups."""
+        if self._drains is None:
+            self._drains = _drain_watcher_class()(poll_interval_s)
+        self._drains.watch(node_to_ranks, by_rank)
+
+
+def _drain_watcher_class() -> type:
+    """Ray Train's drain watcher, re-aimed by ``watch`` at each worker group (Ray's keeps
+    one group's for its life)."""
     from elastic.cluster import ray_internals
 
-    PreemptionCallback, PreemptionWatcher, _ = ray_internals.preemption_watcher()
+    _, PreemptionWatcher, _ = ray_internals.preemption_watcher()
 
     class RunDrainWatcher(PreemptionWatcher):  # type: ignore[valid-type,misc]
-        """Ray Train's watcher (its poll loop, its drain handling), re-aimed by
-        :meth:`watch` at each worker group (Ray's keeps one group's for its life)."""
-
         def __init__(self, poll_interval_s: float) -> None:
             self._aim = threading.Lock()  # before the poll thread starts
             super().__init__(node_to_ranks={}, poll_interval_s=poll_interval_s)
 
         def watch(self, node_to_ranks: dict[str, list[int]], by_rank: dict[int, Any]) -> None:
-            """Watch these nodes for drains, and tell these workers (a new watcher's
-            state, as Ray Train's gives each group)."""
             with self._aim:
                 self._node_to_ranks = {n: sorted(r) for n, r in node_to_ranks.items()}
                 self._failure_domain_map = self._build_failure_domain_map(self._node_to_ranks)
@@ -138,14 +137,43 @@ def _drain_watcher() -> Any:
             with self._aim:
                 super()._poll_once()
 
+    return RunDrainWatcher
+
+
+def _drain_watcher(control: Any = None) -> Any:
+    """Ray Train's node-drain watcher callback with one watcher for the whole fit,
+    running from the fit's start in an actor on the driver's node (the run's ``control``
+    actor, :class:`DrainWatching`; without one, an actor of its own), pointed at each
+    worker group as it starts.
+
+    Ray Train's own starts a new watcher actor after every worker group's start, i.e. a
+    new Ray worker process while the group reads its first epoch (~2.5 s of a core
+    here: on 2 cores the first epoch's reads took twice as long), and makes it with
+    max_restarts=-1 and the workers' handles as constructor arguments, which makes Ray
+    Core print an "E" line at every start (ray-project/ray#53727). This one's actor
+    starts before any worker reads, and it has no restarts: on the driver's node it
+    goes only with the driver. (Pinned hard: with a soft pin the head's raylet at times
+    passed the lease on to a worker node, and the first drained node took the watcher
+    with it: no later drain was seen.) Between groups it watches no node. Ray Train's
+    is turned off (:func:`interruptible`) and this one is passed as a callback;
+    :meth:`close` stops it (and ends an actor of its own)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from elastic.cluster import ray_internals
+
+    PreemptionCallback, _, _ = ray_internals.preemption_watcher()
+
     class RunDrainCallback(PreemptionCallback):  # type: ignore[valid-type,misc]
         def __init__(self) -> None:
             super().__init__()
-            node = ray.get_runtime_context().get_node_id()
-            here = NodeAffinitySchedulingStrategy(node, soft=False)
-            actor: Any = ray.remote(RunDrainWatcher)
-            options = {"num_cpus": 0, "max_restarts": 0, "scheduling_strategy": here}
-            self.watcher = actor.options(**options).remote(self._poll_interval_s)
+            self.own = control is None
+            self.watcher: Any = control
+            if control is None:
+                node = ray.get_runtime_context().get_node_id()
+                here = NodeAffinitySchedulingStrategy(node, soft=False)
+                options = {"num_cpus": 0, "max_restarts": 0, "scheduling_strategy": here}
+                self.watcher = ray.remote(DrainWatching).options(**options).remote()
 
         def after_worker_group_start(self, worker_group: Any) -> None:
             node_to_ranks: dict[str, list[int]] = {}
@@ -154,14 +182,17 @@ def _drain_watcher() -> Any:
                 rank = w.distributed_context.world_rank
                 node_to_ranks.setdefault(w.metadata.node_id, []).append(rank)
                 by_rank[rank] = w.actor
-            self.watcher.watch.remote(node_to_ranks, by_rank)
+            self.watcher.watch.remote(node_to_ranks, by_rank, self._poll_interval_s)
 
         def _stop_watcher(self) -> None:  # the group is ending: watch nothing until the next
-            self.watcher.watch.remote({}, {})
+            self.watcher.watch.remote({}, {}, self._poll_interval_s)
 
         def close(self) -> None:
             with contextlib.suppress(Exception):  # Ray itself may be gone
-                ray.kill(self.watcher)
+                if self.own:
+                    ray.kill(self.watcher)
+                else:
+                    self._stop_watcher()
 
     return RunDrainCallback()
 
