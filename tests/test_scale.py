@@ -132,9 +132,11 @@ def test_bench_scale_model_and_data_series(tmp_path):
 CLOCK_SCRIPT = """
 import json, os, time
 import ray
-from elastic.cluster.localcluster import CpuClock, RayCluster
+from elastic.cluster.localcluster import FAST_HEALTH, CpuClock, RayCluster
 
-cluster = RayCluster(0)
+# processes started ahead for the driver, as at Ray's default (elastic's nodes start
+# none): Ray gives one to the first actor (it does not to a task's process)
+cluster = RayCluster(0, system_config={**FAST_HEALTH, "prestart_worker_first_driver": True})
 try:
     ray.init(address=cluster.address)
     clock = CpuClock(cluster, period_s=0.1)
