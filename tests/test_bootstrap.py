@@ -225,9 +225,9 @@ def test_an_embedded_node_keeps_an_idle_task_process_for_a_while_then_lets_it_go
     """Each idle Ray process takes ~1% of a core (its main thread checks signals every
     10 ms), which a 2-core node takes out of training: elastic's nodes start none ahead
     of need, keep a read task's process 30 s (a pause between reads, a worker group's
-    start after the driver's warm-up) and then let it go (Ray's own default kept it for
-    ever past 1 s below the CPU count, killed it at 1 s above). The log monitor lists
-    its folder every 0.5 s, not every 0.1 s."""
+    start after the driver's warm-up) and then let it go (Ray's own default keeps it for
+    ever while a node holds fewer processes than CPUs, kills it after 1 s idle past
+    that). The log monitor lists its folder every 0.5 s, not every 0.1 s."""
     env = {k: v for k, v in os.environ.items() if k not in bootstrap.LOG_MONITOR_ENV}
     env["PYTHONPATH"] = str(REPO)
     out = subprocess.run(

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import MutableMapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -84,11 +85,12 @@ every 0.5 s, not at every pass of its 0.1 s loop (Ray does that below 1,000 log 
 from its first line."""
 
 
-def quiet_log_monitor() -> None:
-    """Before this process starts a Ray node (an embedded one, a test cluster's): its log
-    monitor inherits :data:`LOG_MONITOR_ENV` (a setting of the user's own wins)."""
+def quiet_log_monitor(env: MutableMapping[str, str] = os.environ) -> None:
+    """:data:`LOG_MONITOR_ENV` into ``env`` (a setting of the user's own wins): by
+    default this process's, before it starts a Ray node (an embedded one, a test
+    cluster's) whose log monitor inherits it."""
     for key, value in LOG_MONITOR_ENV.items():
-        os.environ.setdefault(key, value)
+        env.setdefault(key, value)
 
 
 def ray_env_value(value: object) -> str:
@@ -394,7 +396,7 @@ def ray_env(jobdir: JobDir, tag: str) -> dict[str, str]:
     env.pop("RAY_ADDRESS", None)
     env.update(HEALTH_ENV)
     env.update({f"RAY_{key}": ray_env_value(value) for key, value in WORKER_POOL.items()})
-    env.update({k: v for k, v in LOG_MONITOR_ENV.items() if k not in os.environ})
+    quiet_log_monitor(env)
     env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(jobdir.token), TAG_ENV: tag})
     return env
 
