@@ -4,7 +4,10 @@ the installed Ray: an upgrade that moved one fails here, naming it, not mid-run.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
+import psutil
+import pytest
 import ray
 from ray.train.torch import TorchTrainer
 
@@ -34,3 +37,53 @@ def test_the_private_ray_apis_exist_in_the_installed_ray():
         assert hasattr(importlib.import_module(module), name), f"{path} is gone"
     for name in ray_internals.TRAINER_PRIVATE_METHODS:
         assert callable(getattr(TorchTrainer, name, None)), f"TorchTrainer.{name} is gone"
+
+
+@pytest.mark.slow
+def test_the_trainer_keeps_no_dataset_manager_process_for_datasets_it_has_none_of(
+    ray_session, tmp_path
+):
+    """Ray Train starts a DatasetManager actor for every worker group, also a trainer's
+    with no datasets (elastic's workers stream their own): an idle Ray process for the
+    whole run, ~1% of a core on a node whose cores train. elastic's trainer starts none
+    without datasets, and one when given some (so the check can tell)."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig
+
+    from elastic.train.trainer import interruptible
+
+    def dataset_managers(config: dict) -> None:
+        """Rank 0 writes the pids of the Ray Train dataset managers alive now, while
+        its worker group runs."""
+        import psutil
+        import ray.train
+
+        if ray.train.get_context().get_world_rank() == 0:
+            with open(config["out"], "w") as f:
+                f.write(
+                    " ".join(
+                        str(p.pid)
+                        for p in psutil.process_iter(["cmdline"])
+                        if (p.info["cmdline"] or [""])[0].startswith("ray::DatasetManager")
+                    )
+                )
+
+    def managers(name: str, **datasets: Any) -> set[int]:
+        out = tmp_path / name
+        interruptible(TorchTrainer)(
+            dataset_managers,
+            datasets=datasets,
+            train_loop_config={"out": str(out)},
+            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(name=name, storage_path=str(tmp_path / "ray")),
+            torch_config=TorchConfig(backend="gloo"),
+        ).fit()
+        return {int(p) for p in out.read_text().split()}
+
+    before = {
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if (p.info["cmdline"] or [""])[0].startswith("ray::DatasetManager")
+    }
+    assert managers("none") - before == set()
+    assert managers("given", rows=ray.data.range(8)) - before, "none with datasets given"

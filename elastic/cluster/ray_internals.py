@@ -13,6 +13,13 @@ from typing import Any
 RAY_VERSION = "2.60.0"
 """The Ray release these were checked against (pyproject pins it)."""
 
+DATASETS_CALLBACK = "ray.train.v2._internal.callbacks:DatasetsCallback"
+PG_CLEANER_CALLBACK = (
+    "ray.train.v2._internal.callbacks.placement_group_callback:PlacementGroupCleanerCallback"
+)
+"""Ray Train default callbacks elastic's trainer can leave out (elastic.train.trainer
+tells them by class name): the dataset manager's, the placement-group cleaner."""
+
 IMPORTED = (
     "ray.train.v2._internal.callbacks.preemption_callback:PreemptionCallback",
     "ray.train.v2._internal.callbacks.preemption_callback:PreemptionWatcher",
@@ -30,6 +37,8 @@ IMPORTED = (
     "ray.train.v2._internal.constants:get_env_vars_to_propagate",
     "ray.train.v2._internal.constants:DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE",
     "ray._common.constants:RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR",
+    DATASETS_CALLBACK,
+    PG_CLEANER_CALLBACK,
 )
 """Every private name the functions below import (the test resolves each)."""
 
