@@ -141,7 +141,8 @@ try:
     ray.init(address=cluster.address)
     clock = CpuClock(cluster, period_s=0.1)
     deadline = time.monotonic() + 60
-    while "ray_idle" not in clock.head_kinds[-1] and time.monotonic() < deadline:
+    while not {"ray_idle", "ray::IDLE"} & set(clock.head_kinds[-1]):
+        assert time.monotonic() < deadline, clock.head_kinds[-1]
         time.sleep(0.2)
     seen_idle = set(clock._last)
 
@@ -163,7 +164,8 @@ try:
     time.sleep(0.5)
     by_kind = clock.head_by_kind(t0, time.time())
     clock.stop()
-    print(json.dumps({"seen_idle": pid in seen_idle, "by_kind": by_kind}))
+    kinds = sorted(clock.head_kinds[-1])
+    print(json.dumps({"seen_idle": pid in seen_idle, "by_kind": by_kind, "kinds": kinds}))
 finally:
     ray.shutdown()
     cluster.shutdown()
@@ -174,8 +176,10 @@ def test_the_cpu_clock_files_a_pooled_worker_under_what_it_became():
     """bench scale's head-side CPU by kind of process (``head_cpu_by_process``): a Ray
     worker process seen idle in the pool and then given an actor spends its seconds from
     then on as that actor. (The kind was fixed at first sight: every actor on the head,
-    Ray Train's controller among them, was filed as an idle pooled worker.) In a process
-    of its own: its driver joins a cluster of its own, not the session's Ray."""
+    Ray Train's controller among them, was filed as an idle pooled worker.) The raylet is
+    itself, not a pooled worker (its arguments name the worker's script: it was filed as
+    one, ~0.9% of a core that bench overhead called idle workers). In a process of its
+    own: its driver joins a cluster of its own, not the session's Ray."""
     out = subprocess.run(
         [sys.executable, "-c", CLOCK_SCRIPT], capture_output=True, text=True, timeout=300, cwd=REPO
     )
@@ -183,4 +187,5 @@ def test_the_cpu_clock_files_a_pooled_worker_under_what_it_became():
     found = json.loads(out.stdout.strip().splitlines()[-1])
     assert found["seen_idle"], "Ray gave the actor a process the clock never saw idle"
     assert found["by_kind"].get("ray::Burner", 0.0) >= 1.2, found
-    assert found["by_kind"].get("ray_idle", 0.0) < 0.5, found
+    assert found["by_kind"].get("ray_idle", 0.0) + found["by_kind"].get("ray::IDLE", 0.0) < 0.5
+    assert {"raylet", "gcs_server"} <= set(found["kinds"]), found["kinds"]

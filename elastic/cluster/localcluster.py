@@ -539,12 +539,14 @@ def _kind(p: psutil.Process) -> str:
     name = cmd[0] if cmd else p.name()
     if name.startswith("ray::"):  # an actor's title names the method it runs: not kept
         return name.split()[0].split(".")[0]
+    base = os.path.basename(name)
+    if not base.startswith("python"):
+        # a program of its own: its name (the raylet's arguments name the worker's
+        # script, default_worker.py, which made it a pooled worker here once)
+        return base
     if any(c.endswith("launch/run.py") for c in cmd):
         return "driver"
-    if any("default_worker.py" in c for c in cmd):
+    script = next((c for c in cmd[1:] if not c.startswith("-")), "")
+    if script.endswith("default_worker.py"):
         return "ray_idle"
-    base = os.path.basename(name)
-    if base.startswith("python"):
-        script = next((c for c in cmd[1:] if not c.startswith("-")), "")
-        return os.path.basename(script) or base
-    return base
+    return os.path.basename(script) or base
