@@ -231,3 +231,21 @@ def test_a_slowed_process_gets_half_a_core_and_the_bench_measures_it(method):
     assert use[1] is not None and use[1] > 0.8, use
     if method == "quota":
         assert not os.path.exists(slowdown.path), "the cgroup outlived stop()"
+
+
+def test_each_overhead_round_runs_elastic_next_to_its_peer_and_every_other_round_reversed():
+    """A machine whose speed drifts over minutes slows both runs of a pair run one after
+    the other alike; reversing every other round leaves a steady drift with neither side."""
+    from elastic.bench.overhead import round_order
+
+    for stages in ([0, 2], [2, 0], [0, 1, 2, 3], [2]):
+        first, second = round_order(stages, 0), round_order(stages, 1)
+        assert second == first[::-1] and round_order(stages, 2) == first
+        assert sorted(first, key=str) == sorted(
+            [("ddp", None)] + [(who, s) for s in stages for who in ("elastic", "deepspeed")],
+            key=str,
+        )
+        for s in stages:
+            i = first.index(("elastic", s))
+            peer = ("ddp", None) if s == 0 else ("deepspeed", s)
+            assert peer in first[max(0, i - 1) : i + 2], (stages, first)

@@ -8,7 +8,12 @@ Ray, the streamed data). Each stage is judged against its like-for-like peer: DD
 DeepSpeed at the same stage above it. Steady state is after the first epoch (the split
 then comes from each worker's cache); the first epoch, while Ray Data reads and decodes
 the shards on the same cores, is reported apart. Each round runs every run once, each
-round starting one run further on; a ratio is the geometric mean of the rounds' ratios,
+elastic run next to the peer it is judged against, every other round in the reverse
+order: a machine whose speed drifts over minutes then slows both of a pair alike, and
+a steady drift favours neither side over two rounds (on 2026-12-05 the rounds' ratios
+of two peers that should match, DeepSpeed ZeRO-0 against DDP, ranged 0.89-1.06 with
+the runs one round starting one run further on). A ratio is the geometric mean of the
+rounds' ratios,
 with its 95% confidence interval (Student's t over the rounds' log ratios), and the
 verdict is on the interval's upper end: met only when the whole interval is at or
 under the target. Beside each run's step time, the CPU a step of every process it
@@ -154,6 +159,18 @@ def _counted(run: Callable[[], dict]) -> tuple[dict, dict[str, Any]]:
     return result, _cpu_ms(clock, tuple(result["window"]), result["steps"])
 
 
+def round_order(stages: list[int], r: int) -> list[tuple[str, int | None]]:
+    """Round ``r``'s runs in order: each elastic run beside the peer it is judged
+    against (DDP at ZeRO-0, DeepSpeed at the same stage above it), e.g. ddp, elastic 0,
+    deepspeed 0, deepspeed 2, elastic 2; every other round the other way round."""
+    runs: list[tuple[str, int | None]] = [("ddp", None)]
+    if 0 in stages:
+        runs += [("elastic", 0), ("deepspeed", 0)]
+    for s in stages:
+        runs += [("deepspeed", s), ("elastic", s)] if s != 0 else []
+    return runs if r % 2 == 0 else runs[::-1]
+
+
 def _stages(text: str) -> list[int]:
     try:
         stages = [int(s) for s in text.split(",") if s.strip()]
@@ -207,9 +224,6 @@ def measure(args: argparse.Namespace) -> dict:
     stages = _stages(args.zero_stages)
     cfg = smoke_config([f"strategy.zero_stage={stages[0]}", *args.overrides])
     prepare_data(cfg)
-    runs: list[tuple[str, int | None]] = [("ddp", None)]
-    for s in stages:
-        runs += [("elastic", s), ("deepspeed", s)]
     rounds = []
     cpu_rounds: list[dict[str, dict[str, Any]]] = []  # CPU ms a step, by run
     workdir = tempfile.mkdtemp(prefix="elastic-bench-")
@@ -217,8 +231,7 @@ def measure(args: argparse.Namespace) -> dict:
         for r in range(args.rounds):
             result: dict[str, float] = {}
             cpu: dict[str, dict[str, Any]] = {}
-            shift = r % len(runs)  # each round starts one run further on
-            for who, stage in runs[shift:] + runs[:shift]:
+            for who, stage in round_order(stages, r):
                 overrides = [f"strategy.zero_stage={stage}", *args.overrides]
                 if who == "ddp":
                     out, cpu["ddp"] = _counted(partial(_ddp_peer, cfg, args.steps))
