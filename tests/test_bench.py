@@ -249,3 +249,21 @@ def test_each_overhead_round_runs_elastic_next_to_its_peer_and_every_other_round
             i = first.index(("elastic", s))
             peer = ("ddp", None) if s == 0 else ("deepspeed", s)
             assert peer in first[max(0, i - 1) : i + 2], (stages, first)
+
+
+def test_an_overhead_variant_runs_next_to_the_same_peer_as_the_default():
+    from elastic.bench.overhead import parse_variants, round_order
+
+    for stages in ([0, 2], [2], [0]):
+        order = round_order(stages, 0, ("overlap",))
+        assert round_order(stages, 1, ("overlap",)) == order[::-1]
+        for s in stages:
+            peer = ("ddp", None) if s == 0 else ("deepspeed", s)
+            i = order.index(peer)
+            assert {order[i - 1], order[i + 1]} == {("elastic:overlap", s), ("elastic", s)}
+    assert parse_variants(["overlap=strategy.overlap_reduce=true trainer.x=1"]) == {
+        "overlap": ["strategy.overlap_reduce=true", "trainer.x=1"]
+    }
+    for bad in (["strategy.overlap_reduce=true"], ["overlap="], ["a=x=1", "a=y=2"]):
+        with pytest.raises(SystemExit, match="--variant"):
+            parse_variants(bad)

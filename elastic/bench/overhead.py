@@ -19,6 +19,9 @@ verdict is on the interval's upper end: met only when the whole interval is at o
 under the target. Beside each run's step time, the CPU a step of every process it
 started, counted from outside over the steps it timed (``cpu`` per stage, ``cpu_rounds``):
 elastic's training workers apart from Ray's resident processes and the driver.
+``--variant NAME=OVERRIDES`` adds an elastic run with those overrides to every round,
+next to the same peer as the default run: judged against that peer and against the
+default elastic run of the same rounds (``variants`` per stage), without a verdict.
 Writes bench-overhead.json."""
 
 from __future__ import annotations
@@ -65,6 +68,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma separated; each stage's elastic run is judged against plain DDP at 0 "
         "(DeepSpeed's plain data parallelism: like for like) and against DeepSpeed under "
         "torchrun at the same stage otherwise",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=OVERRIDES",
+        help="an elastic variant run in every round beside the default, at each stage, e.g. "
+        "--variant 'overlap=strategy.overlap_reduce=true' (overrides separated by spaces): "
+        "judged against the same peer and against the default elastic run; no verdict",
     )
     p.add_argument("overrides", nargs="*", help="extra config overrides for the elastic run")
 
@@ -159,16 +171,43 @@ def _counted(run: Callable[[], dict]) -> tuple[dict, dict[str, Any]]:
     return result, _cpu_ms(clock, tuple(result["window"]), result["steps"])
 
 
-def round_order(stages: list[int], r: int) -> list[tuple[str, int | None]]:
+def round_order(
+    stages: list[int], r: int, variants: tuple[str, ...] = ()
+) -> list[tuple[str, int | None]]:
     """Round ``r``'s runs in order: each elastic run beside the peer it is judged
     against (DDP at ZeRO-0, DeepSpeed at the same stage above it), e.g. ddp, elastic 0,
-    deepspeed 0, deepspeed 2, elastic 2; every other round the other way round."""
-    runs: list[tuple[str, int | None]] = [("ddp", None)]
+    deepspeed 0, deepspeed 2, elastic 2; every other round the other way round. A
+    variant's run (``elastic:NAME``) comes just before its stage's peer, the default
+    elastic run just after: both next to the peer (with one variant)."""
+    mine = {s: [(f"elastic:{v}", s) for v in variants] for s in stages}
+    runs: list[tuple[str, int | None]] = []
     if 0 in stages:
-        runs += [("elastic", 0), ("deepspeed", 0)]
+        runs += [*mine[0], ("ddp", None), ("elastic", 0), ("deepspeed", 0)]
+    else:
+        runs += [("ddp", None)]
     for s in stages:
-        runs += [("deepspeed", s), ("elastic", s)] if s != 0 else []
+        runs += [*mine[s], ("deepspeed", s), ("elastic", s)] if s != 0 else []
     return runs if r % 2 == 0 else runs[::-1]
+
+
+def parse_variants(texts: list[str]) -> dict[str, list[str]]:
+    """``--variant NAME=OVERRIDES`` (repeatable): {name: overrides}."""
+    variants: dict[str, list[str]] = {}
+    for text in texts:
+        name, _, rest = text.partition("=")
+        overrides = rest.split()
+        if not name.isidentifier() or not overrides or name in variants:
+            raise SystemExit(
+                f"bench overhead: --variant {text!r}: give a new name, '=', then the "
+                "overrides, e.g. --variant 'overlap=strategy.overlap_reduce=true'"
+            )
+        variants[name] = overrides
+    return variants
+
+
+def _interval(figures: dict) -> str:
+    low, high = figures["ratio_ci_low"], figures["ratio_ci_high"]
+    return "one round: no interval" if high is None else f"95% {low:.3f}-{high:.3f}"
 
 
 def _stages(text: str) -> list[int]:
@@ -222,7 +261,10 @@ def measure(args: argparse.Namespace) -> dict:
     from elastic.train.driver import prepare_data
 
     stages = _stages(args.zero_stages)
+    variants = parse_variants(args.variant)
     cfg = smoke_config([f"strategy.zero_stage={stages[0]}", *args.overrides])
+    for overrides in variants.values():  # a bad override fails here, not rounds in
+        smoke_config([f"strategy.zero_stage={stages[0]}", *args.overrides, *overrides])
     prepare_data(cfg)
     rounds = []
     cpu_rounds: list[dict[str, dict[str, Any]]] = []  # CPU ms a step, by run
@@ -231,7 +273,7 @@ def measure(args: argparse.Namespace) -> dict:
         for r in range(args.rounds):
             result: dict[str, float] = {}
             cpu: dict[str, dict[str, Any]] = {}
-            for who, stage in round_order(stages, r):
+            for who, stage in round_order(stages, r, tuple(variants)):
                 overrides = [f"strategy.zero_stage={stage}", *args.overrides]
                 if who == "ddp":
                     out, cpu["ddp"] = _counted(partial(_ddp_peer, cfg, args.steps))
@@ -241,7 +283,9 @@ def measure(args: argparse.Namespace) -> dict:
                     out, cpu[name] = _counted(partial(_deepspeed_peer, cfg, overrides, args.steps))
                     result[name] = float(out["step_s"])
                 else:
-                    name = f"elastic_zero{stage}"
+                    variant = who.partition(":")[2]
+                    name = f"elastic_zero{stage}" + (f"_{variant}" if variant else "")
+                    overrides += variants.get(variant, [])
                     step_s, cpu[name] = _counted(
                         partial(_elastic_step_s, overrides, args.steps, workdir)
                     )
@@ -282,6 +326,16 @@ def measure(args: argparse.Namespace) -> dict:
             "elastic_step_s_with_epoch_starts": median(f"{el}_with_epoch_starts"),
             "ratio_with_epoch_starts": median(f"{el}_with_epoch_starts") / median(peer),
             "cpu": _cpu_figures(cpu_rounds, el, peer),
+            "variants": {
+                v: {
+                    **_figures([r[f"{el}_{v}"] / r[peer] for r in rounds]),
+                    "overrides": variants[v],
+                    "elastic_step_s": median(f"{el}_{v}"),
+                    "vs_default": _figures([r[f"{el}_{v}"] / r[el] for r in rounds]),
+                    "cpu": _cpu_figures(cpu_rounds, f"{el}_{v}", peer),
+                }
+                for v in variants
+            },
         }
     main = by_stage[str(stages[0])]
     verdicts = [v["met"] for v in by_stage.values()]
@@ -312,6 +366,7 @@ def measure(args: argparse.Namespace) -> dict:
             "experiment": "smoke",
             "zero_stages": stages,
             "overrides": args.overrides,
+            "variants": variants,
             "steps": args.steps,
             "warmup_steps": WARMUP_STEPS,
             "workers": cfg.scaling.max_workers,
@@ -323,8 +378,14 @@ def measure(args: argparse.Namespace) -> dict:
         },
     }
     for name, v in by_stage.items():
-        low, high = v["ratio_ci_low"], v["ratio_ci_high"]
-        interval = "one round: no interval" if high is None else f"95% {low:.3f}-{high:.3f}"
+        for variant, w in v["variants"].items():
+            d = w["vs_default"]
+            print(
+                f"overhead ZeRO-{name}, variant {variant} ({' '.join(w['overrides'])}): "
+                f"{w['elastic_step_s'] * 1e3:.2f} ms/step; vs {v['peer']} {w['ratio']:.3f} "
+                f"({_interval(w)}), vs the default elastic run {d['ratio']:.3f} ({_interval(d)})"
+            )
+        interval = _interval(v)
         print(
             f"overhead ZeRO-{name}: elastic {v['elastic_step_s'] * 1e3:.2f} ms/step vs "
             f"{v['peer']} {v['peer_step_s'] * 1e3:.2f}: ratio {v['ratio']:.3f} ({interval}; "
