@@ -33,7 +33,7 @@ from elastic.observe.metrics import (
 from elastic.observe.progress import DriverProgress, total_steps
 from elastic.observe.summary import Summary
 from elastic.observe.tracking import json_text
-from elastic.train.control import start_control
+from elastic.train.control import STATUS_WAIT_S, start_control
 from elastic.train.trainer import interruptible
 
 
@@ -249,7 +249,9 @@ def _run_control(
     The main thread sits in Ray's blocking ``ray.get`` for all of fit(), where Python
     signal handlers do not run until it returns, i.e. at the end of training. So the
     signals are read from a wakeup fd (written by the C-level handler the moment one
-    arrives) by one thread, which also makes every call to the control actor.
+    arrives) by one thread, which also keeps the driver's standing question out to the
+    control actor (:meth:`~elastic.train.control.RunControl.wait_status`: answered the
+    moment there is news) and looks for its answer 4 times a second, without a call.
 
     A worker that hits an error a retry cannot fix (:class:`RunError`: a bad row, a
     diverged step, a checkpoint that does not fit) tells the actor; the run is aborted
@@ -275,8 +277,9 @@ def _run_control(
 
     def relay() -> None:
         stopping = False
+        pending, seen = None, 0  # the standing question to the control actor
         while not done.is_set():
-            if select.select([wake_r], [], [], POLL_S)[0]:
+            if select.select([wake_r], [], [], TICK_S)[0]:
                 for signum in wake_r.recv(64):
                     if signum == signal.SIGINT:
                         abort(KeyboardInterrupt())
@@ -288,9 +291,12 @@ def _run_control(
                         print(f"[elastic] {name}: checkpointing now, then stopping", flush=True)
                         control.request_stop.remote(name)
             try:
-                message, progress, evictions = ray.get(control.status.remote(), timeout=30)
-            except ray.exceptions.GetTimeoutError:
-                continue  # a busy head node; ask again
+                if pending is None:
+                    pending = control.wait_status.remote(seen, STATUS_WAIT_S)
+                if not ray.wait([pending], timeout=0)[0]:
+                    continue  # no news yet: a local look, no call
+                seen, message, progress, evictions = ray.get(pending)
+                pending = None
             except Exception:  # the run is ending; fit() reports what happened
                 return
             if cordons is not None:  # evicted nodes kept out for their cooldown
@@ -340,7 +346,7 @@ def _run_control(
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-POLL_S = 0.5
+TICK_S = 0.25  # how often the relay looks for an answer from the control actor (no call)
 
 
 def world_sizes(events: list[dict[str, Any]]) -> list[int]:
