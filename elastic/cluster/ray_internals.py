@@ -49,7 +49,8 @@ TRAINER_PRIVATE_METHODS = (
 )
 """TorchTrainer methods elastic overrides (elastic.train.trainer): its SIGINT handler
 (Ray's blocks and exits 1 without a word), its default callbacks (the placement-group
-cleaner that needs a dashboard; the node-drain watcher) and the controller's start, whose
+cleaner that needs a dashboard; the dataset manager's without datasets; the node-drain
+watcher) and the controller's start, whose
 ``scaling_policy`` argument elastic replaces (:func:`elastic_scaling_policy`)."""
 
 

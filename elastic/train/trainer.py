@@ -55,7 +55,9 @@ def interruptible(trainer_cls: type, control: Any = None) -> type:
             if not self.datasets:
                 # Ray Train starts a DatasetManager actor for every worker group, also
                 # with no datasets to hand out (elastic's workers stream their own):
-                # an idle Ray process for the whole run (~1% of a core).
+                # an idle Ray process for the whole run (~1% of a core). The callback
+                # also copies the driver's Ray Data context to the workers; elastic's
+                # set their own (elastic.data.reader).
                 unused.add(ray_internals.DATASETS_CALLBACK)
             if not _has_dashboard():
                 # Ray Train's PlacementGroupCleaner asks the State API, i.e. the
