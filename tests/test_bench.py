@@ -264,6 +264,12 @@ def test_an_overhead_variant_runs_next_to_the_same_peer_as_the_default():
     assert parse_variants(["overlap=strategy.overlap_reduce=true trainer.x=1"]) == {
         "overlap": ["strategy.overlap_reduce=true", "trainer.x=1"]
     }
-    for bad in (["strategy.overlap_reduce=true"], ["overlap="], ["a=x=1", "a=y=2"]):
+    bad_ones = (
+        ["strategy.overlap_reduce=true"],
+        ["overlap="],
+        ["a=x=1", "a=y=2"],
+        ["first_epoch=x=1"],
+    )
+    for bad in bad_ones:
         with pytest.raises(SystemExit, match="--variant"):
             parse_variants(bad)

@@ -196,7 +196,8 @@ def parse_variants(texts: list[str]) -> dict[str, list[str]]:
     for text in texts:
         name, _, rest = text.partition("=")
         overrides = rest.split()
-        if not name.isidentifier() or not overrides or name in variants:
+        taken = name in variants or name in ("first_epoch", "with_epoch_starts")
+        if not name.isidentifier() or not overrides or taken:
             raise SystemExit(
                 f"bench overhead: --variant {text!r}: give a new name, '=', then the "
                 "overrides, e.g. --variant 'overlap=strategy.overlap_reduce=true'"
