@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-import psutil
 import pytest
 import ray
 from ray.train.torch import TorchTrainer
@@ -52,21 +51,23 @@ def test_the_trainer_keeps_no_dataset_manager_process_for_datasets_it_has_none_o
 
     from elastic.train.trainer import interruptible
 
-    def dataset_managers(config: dict) -> None:
-        """Rank 0 writes the pids of the Ray Train dataset managers alive now, while
-        its worker group runs."""
+    def alive() -> set[int]:
+        """The pids of the Ray Train dataset managers alive now."""
         import psutil
+
+        return {
+            p.pid
+            for p in psutil.process_iter(["cmdline"])
+            if (p.info["cmdline"] or [""])[0].startswith("ray::DatasetManager")
+        }
+
+    def dataset_managers(config: dict) -> None:
+        """Rank 0 writes :func:`alive` while its worker group runs."""
         import ray.train
 
         if ray.train.get_context().get_world_rank() == 0:
             with open(config["out"], "w") as f:
-                f.write(
-                    " ".join(
-                        str(p.pid)
-                        for p in psutil.process_iter(["cmdline"])
-                        if (p.info["cmdline"] or [""])[0].startswith("ray::DatasetManager")
-                    )
-                )
+                f.write(" ".join(map(str, alive())))
 
     def managers(name: str, **datasets: Any) -> set[int]:
         out = tmp_path / name
@@ -80,10 +81,6 @@ def test_the_trainer_keeps_no_dataset_manager_process_for_datasets_it_has_none_o
         ).fit()
         return {int(p) for p in out.read_text().split()}
 
-    before = {
-        p.pid
-        for p in psutil.process_iter(["cmdline"])
-        if (p.info["cmdline"] or [""])[0].startswith("ray::DatasetManager")
-    }
+    before = alive()
     assert managers("none") - before == set()
     assert managers("given", rows=ray.data.range(8)) - before, "none with datasets given"
