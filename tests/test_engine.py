@@ -256,7 +256,9 @@ def _overlap_rank(rank: int, port: int, out: str) -> None:
 
     mine = slice(rank * GLOBAL // 2, (rank + 1) * GLOBAL // 2)
     overlapping = StrategyConfig(zero_stage=0, overlap_reduce=True)
-    assert reduce.overlapped_reduce(None, StrategyConfig(zero_stage=0)) is None  # off: asked
+    assert StrategyConfig().overlap_reduce  # the default: on where it applies
+    off = StrategyConfig(zero_stage=0, overlap_reduce=False)
+    assert reduce.overlapped_reduce(None, off) is None  # off where asked
     results = {}
     for name, clip, accum in (("mlp", 0.0, 1), ("mlp", 0.5, 1), ("mlp", 0.0, 2), ("branchy", 0, 1)):
         cfg = _cfg(0, clip)

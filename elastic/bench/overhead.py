@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=OVERRIDES",
         help="an elastic variant run in every round beside the default, at each stage, e.g. "
-        "--variant 'overlap=strategy.overlap_reduce=true' (overrides separated by spaces): "
+        "--variant 'after=strategy.overlap_reduce=false' (overrides separated by spaces): "
         "judged against the same peer and against the default elastic run; no verdict",
     )
     p.add_argument("overrides", nargs="*", help="extra config overrides for the elastic run")
@@ -200,7 +200,7 @@ def parse_variants(texts: list[str]) -> dict[str, list[str]]:
         if not name.isidentifier() or not overrides or taken:
             raise SystemExit(
                 f"bench overhead: --variant {text!r}: give a new name, '=', then the "
-                "overrides, e.g. --variant 'overlap=strategy.overlap_reduce=true'"
+                "overrides, e.g. --variant 'after=strategy.overlap_reduce=false'"
             )
         variants[name] = overrides
     return variants

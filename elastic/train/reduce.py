@@ -19,11 +19,12 @@ reduced as zeros. Only for fp32 ZeRO-0, where the optimizer is the torch one and
 ``param.grad``; bf16 (DeepSpeed's own fp32 gradient buffers) and ZeRO 1-3 (partitioned
 reductions) stay with DeepSpeed (:func:`overlapped_reduce` returns None).
 
-Off by default (``strategy.overlap_reduce``): measured on 2026-12-05 (2 cores, 2 ranks,
-loopback gloo, the smoke model), its backward phase was 3-5 ms a step shorter and the
-optimizer step about as much longer, no net gain (docs/performance.md#step-overhead).
-What it is for, overlapping the all-reduce with the backward pass, pays where the
-all-reduce crosses a network; that is not measured yet."""
+On by default (``strategy.overlap_reduce``, false for DeepSpeed's): on 2 cores, 2 ranks,
+loopback gloo and the smoke model, 0.969x the step time of DeepSpeed's reduction in the
+same rounds (95% 0.958-0.981; ``python launch/bench.py overhead --rounds 4
+--zero-stages 0 --variant ...``, 2026-12-06: docs/performance.md#step-overhead). Where
+the all-reduce crosses a network, more of it can hide behind the backward pass; that is
+not measured yet."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ BUCKET_BYTES = 25 << 20  # and its bucket_cap_mb for the rest
 
 def overlapped_reduce(engine: Any, strategy: StrategyConfig) -> OverlappedReduce | None:
     """Take the gradient reduction over from ``engine`` where asked
-    (``strategy.overlap_reduce``) and where this module can (fp32 ZeRO-0, a plain torch
+    (``strategy.overlap_reduce``, the default) and where this module can (fp32 ZeRO-0, a plain torch
     optimizer); None, and DeepSpeed's left in place, otherwise."""
     if not strategy.overlap_reduce or strategy.zero_stage != 0 or strategy.precision != "fp32":
         return None

@@ -4,13 +4,13 @@
 
 The engine is the one elastic builds (:func:`elastic.train.engine.build_engine`: the
 same config, ZeRO stage and buckets, from the same composed experiment and overrides),
-with the gradient all-reduce elastic's loop uses (DeepSpeed's; at fp32 ZeRO-0 with
-``strategy.overlap_reduce=true``, elastic's own, overlapped with the backward pass:
-:mod:`elastic.train.reduce`),
-the model the same (same seed), the per-rank batch the same; no Ray, no streaming, no
-elastic loop. Against the elastic run it measures what elastic adds above DeepSpeed;
-against the plain-DDP peer (``ddp_step.py``), what DeepSpeed adds above DDP. Rank 0
-prints one JSON line with the steady-state step time.
+with DeepSpeed's own gradient all-reduce whatever ``strategy.overlap_reduce`` says (a
+user running DeepSpeed under torchrun gets that one; elastic's overlapped one at fp32
+ZeRO-0, :mod:`elastic.train.reduce`, is counted on elastic's side), the model the same
+(same seed), the per-rank batch the same; no Ray, no streaming, no elastic loop.
+Against the elastic run it measures what elastic adds above DeepSpeed; against the
+plain-DDP peer (``ddp_step.py``), what DeepSpeed adds above DDP. Rank 0 prints one JSON
+line with the steady-state step time.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from elastic.data.formats import column_to_numpy
 from elastic.data.shards import list_shards
 from elastic.train.batch import BatchPlan
 from elastic.train.engine import build_engine, init_distributed
-from elastic.train.reduce import overlapped_reduce
 
 
 def main() -> None:
@@ -52,7 +51,6 @@ def main() -> None:
 
     torch.manual_seed(cfg.trainer.seed)
     engine = build_engine(cfg, plan, cfg.model.build())
-    reducer = overlapped_reduce(engine, cfg.strategy)  # the all-reduce elastic's loop uses
     dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
     batches = len(x) // per_rank
     start, started = 0.0, 0.0
@@ -64,9 +62,7 @@ def main() -> None:
         xb = x[i * per_rank : (i + 1) * per_rank].to(dtype)
         yb = y[i * per_rank : (i + 1) * per_rank]
         loss = torch.nn.functional.mse_loss(engine(xb).float(), yb)
-        engine.backward(loss)
-        if reducer is not None:
-            reducer.finish()
+        engine.backward(loss)  # DeepSpeed's all-reduce, after the backward pass
         engine.step()
     dist.barrier()
     step_s = (time.perf_counter() - start) / (a.steps - a.warmup)
@@ -80,7 +76,6 @@ def main() -> None:
                     "steps": a.steps - a.warmup,
                     "world_size": world,
                     "zero_stage": cfg.strategy.zero_stage,
-                    "overlap_reduce": reducer is not None,
                     "threads": torch.get_num_threads(),
                     "omp": os.environ.get("OMP_NUM_THREADS"),
                 }
