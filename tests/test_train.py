@@ -252,7 +252,9 @@ def test_every_world_size_trains_the_same_batches_and_a_resize_resumes_them(smal
     of its first epoch and resumed at 2, train the same rows at every step (their ids
     digests equal the plan's, computed apart from the runs) with the same loss up to
     fp32 summation order, and every sample of both epochs once. Before that resume,
-    resumes on changed shards are refused in one line."""
+    resumes on changed shards are refused in one line. An epoch at 3 workers at ZeRO-0
+    (elastic's overlapped gradient all-reduce, the default there, over uneven splits)
+    has the same losses too."""
     import shutil
 
     data = tmp_path / "data"
@@ -287,6 +289,28 @@ def test_every_world_size_trains_the_same_batches_and_a_resize_resumes_them(smal
         for s in planned
     )
     assert worst < 1e-4, worst  # fp32 sums in another order; another batch differs by ~10%
+
+    zero0 = [o if o != "trainer.max_epochs=2" else "trainer.max_epochs=1" for o in common]
+    at3 = train(
+        small_overrides(
+            data, tmp_path, *zero0, "scaling.workers=3", "strategy.zero_stage=0", "run.name=z0"
+        )
+    )
+    assert at3["status"] == "finished" and at3["steps"] == 16 and at3["world_sizes"] == [3]
+
+    def reductions(name: str) -> list[str]:
+        events = read_events(str(tmp_path / name))
+        return [e["gradient_reduce"] for e in events if e["event"] == "startup"]
+
+    assert reductions("z0") == ["overlapped"]  # elastic's: the default at fp32 ZeRO-0
+    assert reductions("one") == ["deepspeed"]  # one worker: nothing to all-reduce
+    by_z0 = _records(tmp_path / "z0")
+    assert sorted(by_z0) == list(range(1, 17))
+    worst = max(
+        abs(by_z0[s]["train/loss"] - by_one[s]["train/loss"]) / abs(by_one[s]["train/loss"])
+        for s in by_z0
+    )
+    assert worst < 1e-4, worst
 
     # any step's samples can be named after the run, without it (a loss spike replayed)
     import subprocess

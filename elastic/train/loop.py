@@ -416,6 +416,8 @@ class _Trainer:
                 self.state.step,
                 "startup",
                 world_size=self.world,
+                # whose gradient all-reduce: elastic's overlapped one or DeepSpeed's
+                gradient_reduce="overlapped" if self.reducer is not None else "deepspeed",
                 **parts,
                 first_batch_s=round(self._first_batch_s or 0.0, 3),
                 data_ready_s=round(self.data_ready_s or 0.0, 3),
