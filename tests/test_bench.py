@@ -273,3 +273,29 @@ def test_an_overhead_variant_runs_next_to_the_same_peer_as_the_default():
     for bad in bad_ones:
         with pytest.raises(SystemExit, match="--variant"):
             parse_variants(bad)
+
+
+def test_a_peers_step_time_is_the_median_of_its_10_step_intervals_as_elastics_is(monkeypatch):
+    """The overhead peers read their step time as an elastic run's is read: the median
+    seconds a step over 10-step intervals from the end of warm-up (one slow interval,
+    a hiccup, does not move it; the mean, kept beside it, takes it in)."""
+    from elastic.bench import common
+
+    # the clock each step begins at: 0.1 s a step, but steps 30-39 take 1.0 s each
+    starts, t = {}, 0.0
+    for step in range(61):
+        starts[step] = t
+        t += 1.0 if 30 <= step < 40 else 0.1
+    now = {"t": 0.0}
+    monkeypatch.setattr(common.time, "perf_counter", lambda: now["t"])
+    clock = common.StepClock(start=20)
+    for step in range(61):  # 60 steps, then the count after the last one
+        now["t"] = starts[step]
+        clock.before(step)
+    assert [s for s, _ in clock.marks] == [20, 30, 40, 50, 60]
+    assert clock.median_step_s() == pytest.approx(0.1)  # intervals 0.1, 1.0, 0.1, 0.1
+    assert clock.mean_step_s() == pytest.approx((3 * 1.0 + 10 * 1.0) / 40)
+    with pytest.raises(SystemExit, match="fewer than 10 timed steps"):
+        short = common.StepClock(start=20)
+        short.before(20)
+        short.median_step_s()

@@ -280,6 +280,22 @@ def _overlap_rank(rank: int, port: int, out: str) -> None:
                 engine.step()
         params = [p.detach().flatten().tolist() for p in engine.module.parameters()]
         results[f"{name}/{clip}/{accum}"] = {"params": params, "buckets": buckets}
+    # a layer frozen during the run: its bucket would be reduced as zeros (and weight
+    # decay would still move it), one unfrozen not at all; refused at the step
+    engine = build_engine(_cfg(0, 0.0), BatchPlan.for_world(GLOBAL, 2), cfg.model.build())
+    reducer = reduce.overlapped_reduce(engine, overlapping)
+    x, y = _batch()
+    next(engine.module.parameters()).requires_grad_(False)
+    engine.backward(((engine(x[mine]) - y[mine]) ** 2).sum())
+    try:
+        reducer.finish()
+        results["frozen"] = "accepted"
+    except RuntimeError as e:
+        results["frozen"] = str(e)
+    # a sparse embedding: left to DeepSpeed, which reduces its sparse gradients
+    sparse = torch.nn.Sequential(torch.nn.Embedding(10, 3, sparse=True), torch.nn.Linear(3, 3))
+    engine = build_engine(_cfg(0, 0.0), BatchPlan.for_world(GLOBAL, 2), sparse)
+    results["sparse"] = reduce.overlapped_reduce(engine, overlapping) is None
     # a parameter used inside and outside a reentrant checkpoint takes two gradients in
     # one backward pass: its bucket may be on the wire after the first; refused
     cfg = _cfg(0, 0.0)
@@ -320,7 +336,8 @@ def test_the_overlapped_zero0_reduction_updates_as_plain_torch_does(tmp_path):
     whole global batch, clipping off and on, with 2 micro-steps a step, and with a
     parameter that has a gradient on one rank only, one bucket a parameter (the ranks
     start their all-reduces at different points; the pairs must still match); a
-    parameter that takes two gradients in one backward pass is refused in words."""
+    parameter that takes two gradients in one backward pass, or a layer frozen during
+    the run, is refused in words; a sparse embedding is left to DeepSpeed."""
     out = str(tmp_path / "params.json")
     mp.start_processes(
         _overlap_rank, args=(_free_port(), out), nprocs=2, join=True, start_method="spawn"
@@ -329,6 +346,8 @@ def test_the_overlapped_zero0_reduction_updates_as_plain_torch_does(tmp_path):
         with open(f"{out}.{rank}") as f:
             got = json.load(f)
         assert "two gradients in one backward" in got.pop("twice")
+        assert "requires_grad changed" in got.pop("frozen")
+        assert got.pop("sparse") is True
         for key, run in got.items():
             name, clip, _ = key.split("/")
             want = _reference(float(clip)) if name == "mlp" else _branchy_reference()

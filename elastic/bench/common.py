@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -13,6 +14,38 @@ from pathlib import Path
 
 from elastic.cluster.localcluster import REPO
 from elastic.observe.metrics import read_records
+
+
+class StepClock:
+    """A peer's step time read as an elastic run's is (:func:`train` logs every 10
+    steps; ``bench overhead`` takes the median over those intervals): rank 0's clock at
+    every ``every``-th step from ``start`` on. :meth:`median_step_s`, the median
+    seconds a step over those intervals; :meth:`mean_step_s`, the mean over all of
+    them (the peers' figure until 2026-12-06)."""
+
+    def __init__(self, start: int, every: int = 10) -> None:
+        self.start, self.every = start, every
+        self.marks: list[tuple[int, float]] = []
+
+    def before(self, step: int) -> None:
+        """Call before step ``step`` (0-based) begins, and with the step count after
+        the last one."""
+        if step >= self.start and (step - self.start) % self.every == 0:
+            self.marks.append((step, time.perf_counter()))
+
+    def _per_step(self) -> list[float]:
+        pairs = zip(self.marks[:-1], self.marks[1:], strict=False)
+        return [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in pairs]
+
+    def median_step_s(self) -> float:
+        per_step = self._per_step()
+        if not per_step:
+            raise SystemExit(f"bench peer: fewer than {self.every} timed steps; give more")
+        return statistics.median(per_step)
+
+    def mean_step_s(self) -> float:
+        (s0, t0), (s1, t1) = self.marks[0], self.marks[-1]
+        return (t1 - t0) / (s1 - s0)
 
 
 def smoke_config(extra: list[str]):

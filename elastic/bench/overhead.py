@@ -279,10 +279,12 @@ def measure(args: argparse.Namespace) -> dict:
                 if who == "ddp":
                     out, cpu["ddp"] = _counted(partial(_ddp_peer, cfg, args.steps))
                     result["ddp"] = float(out["step_s"])
+                    result["ddp_mean"] = float(out["mean_step_s"])  # hiccups in, not compared
                 elif who == "deepspeed":
                     name = f"deepspeed_zero{stage}"
                     out, cpu[name] = _counted(partial(_deepspeed_peer, cfg, overrides, args.steps))
                     result[name] = float(out["step_s"])
+                    result[f"{name}_mean"] = float(out["mean_step_s"])
                 else:
                     variant = who.partition(":")[2]
                     name = f"elastic_zero{stage}" + (f"_{variant}" if variant else "")

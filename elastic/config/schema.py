@@ -96,10 +96,12 @@ class StrategyConfig:
     gradient_clipping: float = 0.0
     overlap_reduce: bool = True
     """fp32 ZeRO-0: true, elastic's gradient all-reduce, started bucket by bucket during
-    the backward pass (elastic/train/reduce.py; the same result, 0.969x DeepSpeed's step
-    time on 2 cores: docs/performance.md#step-overhead); false, DeepSpeed's, after it
-    (needed with reentrant activation checkpointing, refused otherwise). Other stages
-    and bf16 keep DeepSpeed's whatever this says."""
+    the backward pass (elastic/train/reduce.py; the same result up to fp32 rounding,
+    0.969x the step time with DeepSpeed's on 2 cores: docs/performance.md#step-overhead);
+    false, DeepSpeed's, after it (needed where a parameter takes two gradients in one
+    backward pass, e.g. reentrant activation checkpointing, or layers are frozen or
+    unfrozen during the run: refused in one line otherwise). Other stages, bf16,
+    mixture-of-experts and sparse embeddings keep DeepSpeed's whatever this says."""
 
 
 RETIRED_KEYS = {

@@ -1,7 +1,7 @@
 """The ZeRO-0 gradient all-reduce, elastic's own: overlapped with the backward pass.
 
 DeepSpeed at ZeRO-0 (fp32) reduces after the whole backward pass: it flattens every
-gradient into a new buffer, scales it by 1/world, all-reduces it and copies it back,
+gradient into a new buffer, all-reduces it, scales it by 1/world and copies it back,
 three memory passes over the gradients that nothing overlaps (9-12% of a smoke-model
 step on 2 cores in a profile: docs/performance.md#step-overhead). Here each gradient
 goes, as soon as autograd has accumulated it, into its slot of a flat bucket, scaled on
@@ -13,18 +13,27 @@ come in.
 torch's DDP: parameters in reverse order (roughly the order backward produces them),
 1 MiB for the first bucket, 25 MiB for the others.
 
-The result is DeepSpeed's: the gradients averaged over the ranks, accumulated over the
-micro-steps of a step (reduced at its last only), a parameter that got no gradient
+The result is DeepSpeed's up to fp32 rounding (here each gradient is scaled before the
+sum, there the sum after it): the gradients averaged over the ranks, accumulated over
+the micro-steps of a step (reduced at its last only), a parameter that got no gradient
 reduced as zeros. Only for fp32 ZeRO-0, where the optimizer is the torch one and reads
-``param.grad``; bf16 (DeepSpeed's own fp32 gradient buffers) and ZeRO 1-3 (partitioned
-reductions) stay with DeepSpeed (:func:`overlapped_reduce` returns None).
+``param.grad``; bf16 (DeepSpeed's own fp32 gradient buffers), ZeRO 1-3 (partitioned
+reductions), mixture-of-experts layers (reduced over their expert groups) and sparse
+embeddings stay with DeepSpeed (:func:`overlapped_reduce` returns None). Refused in one
+line, with the setting that avoids it: a parameter that takes two gradients in one
+backward pass (reentrant activation checkpointing), a sparse gradient from elsewhere,
+a parameter frozen or unfrozen during the run. Memory: the buckets hold the gradients
+between steps (4 bytes a parameter, as torch DDP's do), where DeepSpeed frees them
+after the optimizer step and flattens them into a second buffer during its reduction.
 
-On by default (``strategy.overlap_reduce``, false for DeepSpeed's): on 2 cores, 2 ranks,
-loopback gloo and the smoke model, 0.969x the step time of DeepSpeed's reduction in the
-same rounds (95% 0.958-0.981; ``python launch/bench.py overhead --rounds 4
---zero-stages 0 --variant ...``, 2026-12-06: docs/performance.md#step-overhead). Where
-the all-reduce crosses a network, more of it can hide behind the backward pass; that is
-not measured yet."""
+On by default (``strategy.overlap_reduce``; false for DeepSpeed's): on 2 cores, 2 ranks,
+loopback gloo and the smoke model, 0.969x the step time of the same elastic run with
+DeepSpeed's reduction, in the same rounds (95% 0.958-0.981; ``python launch/bench.py
+overhead --rounds 4 --zero-stages 0 --variant 'overlap=strategy.overlap_reduce=true'``
+while it was off by default, 2026-12-06: docs/performance.md#step-overhead). Where the
+all-reduce crosses a network, more of it can hide behind the backward pass; that is not
+measured yet. Not run on a GPU yet (NCCL: the hooks run on the backward pass's stream,
+the collectives wait for it)."""
 
 from __future__ import annotations
 
@@ -49,6 +58,10 @@ def overlapped_reduce(engine: Any, strategy: StrategyConfig) -> OverlappedReduce
         return None
     if type(engine.optimizer).__module__.split(".")[0] == "deepspeed":
         return None  # one of DeepSpeed's optimizer wrappers: it keeps its own gradients
+    if getattr(engine, "has_moe_layers", False):
+        return None  # experts reduce over their expert group, not the world: DeepSpeed's
+    if any(getattr(m, "sparse", False) is True for m in engine.module.modules()):
+        return None  # a sparse embedding's gradients: DeepSpeed reduces them as such
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     return OverlappedReduce(engine)
@@ -60,7 +73,9 @@ class OverlappedReduce:
         self.world = dist.get_world_size()
         # the whole step in one micro-step: a gradient is scaled as it is copied
         self.fused = engine.gradient_accumulation_steps() == 1
-        params = [p for p in engine.module.parameters() if p.requires_grad]
+        self.all_params = list(engine.module.parameters())
+        self.trainable = [p.requires_grad for p in self.all_params]
+        params = [p for p in self.all_params if p.requires_grad]
         self.buckets: list[torch.Tensor] = []
         self.views: dict[torch.Tensor, torch.Tensor] = {}
         self.bucket_of: dict[torch.Tensor, int] = {}
@@ -92,6 +107,12 @@ class OverlappedReduce:
         view = self.views[p]
         grad = p.grad
         assert grad is not None  # autograd calls this hook after accumulating it
+        if grad.layout != torch.strided:
+            raise RuntimeError(
+                f"elastic.train.reduce: a {grad.layout} gradient (shape "
+                f"{tuple(p.shape)}) cannot go into the overlapped all-reduce's dense "
+                "buckets; set strategy.overlap_reduce=false"
+            )
         if grad.data_ptr() != view.data_ptr():  # fresh: the first micro-step it had one
             if p in self.seen:
                 raise RuntimeError(
@@ -135,6 +156,14 @@ class OverlappedReduce:
         started (a parameter with no gradient goes in as zeros) and wait for all of it."""
         if not self.engine.is_gradient_accumulation_boundary():
             return
+        if [p.requires_grad for p in self.all_params] != self.trainable:
+            # the buckets are the parameters trainable when the run began: one frozen
+            # or unfrozen since would be reduced wrongly or not at all, without a word
+            raise RuntimeError(
+                "elastic.train.reduce: a parameter's requires_grad changed during the "
+                "run; the overlapped all-reduce keeps the trainable parameters of the "
+                "start: set strategy.overlap_reduce=false to freeze or unfreeze layers"
+            )
         for p, view in self.views.items():
             if p not in self.seen:
                 view.zero_()
