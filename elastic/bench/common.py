@@ -73,17 +73,20 @@ def train(
     return read_records(str(out)), json.loads((out / "hydra" / "summary.json").read_text())
 
 
-def torchrun_json(world: int, script: str, args: list[str]) -> dict:
+def torchrun_json(
+    world: int, script: str, args: list[str], env: dict[str, str] | None = None
+) -> dict:
     """Run a peer script (``launch/peers/NAME.py``) or a module (``package.module``)
     under torchrun with ``world`` ranks on this machine (one thread each, as Ray gives a
-    1-CPU worker); the JSON line its rank 0 prints last."""
+    1-CPU worker; ``env`` added to this process's environment); the JSON line its rank 0
+    prints last."""
     target = [str(REPO / "launch/peers" / script)] if script.endswith(".py") else ["-m", script]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={world}", *target, *args,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    full = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=full).stdout
     return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
 
 

@@ -5,7 +5,11 @@ DeepSpeed under torchrun with the engine elastic builds (``launch/peers/ds_step.
 at each ZeRO stage of ``--zero-stages`` (0 and 2 by default). The layers apart:
 DeepSpeed vs DDP is DeepSpeed's own cost, elastic vs DeepSpeed is elastic's (its loop,
 Ray, the streamed data). Each stage is judged against its like-for-like peer: DDP at 0,
-DeepSpeed at the same stage above it. Steady state is after the first epoch (the split
+DeepSpeed at the same stage above it. At 0 a third peer, DDP with the malloc settings
+elastic gives its training workers (``vs_ddp_same_malloc``): glibc's defaults map and
+unmap a fresh gradient of the model's size every step, which those settings avoid, and
+a DDP user could set them too; reported beside the verdict, which stays on plain DDP.
+Steady state is after the first epoch (the split
 then comes from each worker's cache); the first epoch, while Ray Data reads and decodes
 the shards on the same cores, is reported apart. Each round runs every run once, each
 elastic run next to the peer it is judged against, every other round in the reverse
@@ -38,6 +42,7 @@ from typing import Any
 
 from elastic.bench.common import smoke_config, torchrun_json, train
 from elastic.cluster.localcluster import CpuClock
+from elastic.train.allocator import worker_malloc_env
 
 HELP = "step time vs plain torchrun DDP"
 STEP_RATIO_TARGET = 1.05  # elastic's steady-state step time over torchrun DDP's, at most
@@ -120,8 +125,10 @@ def _elastic_step_s(overrides: list[str], steps: int, workdir: str) -> dict[str,
     }
 
 
-def _ddp_peer(cfg, steps: int) -> dict:
-    """Plain DDP under torchrun: its rank 0's JSON line (``step_s``, ``window``, ``steps``)."""
+def _ddp_peer(cfg, steps: int, same_malloc: bool = False) -> dict:
+    """Plain DDP under torchrun: its rank 0's JSON line (``step_s``, ``window``, ``steps``).
+    ``same_malloc``: with the malloc settings elastic gives its training workers
+    (:mod:`elastic.train.allocator`), which a DDP user could set too: like for like."""
     args = [
         "--data", cfg.data.path, "--input-dim", str(cfg.model.input_dim),
         "--hidden-dims", ",".join(map(str, cfg.model.hidden_dims)),
@@ -129,7 +136,8 @@ def _ddp_peer(cfg, steps: int) -> dict:
         "--global-batch", str(cfg.data.global_batch_size), "--lr", str(cfg.optim.lr),
         "--steps", str(steps), "--warmup", str(WARMUP_STEPS),
     ]  # fmt: skip
-    return torchrun_json(cfg.scaling.max_workers, "ddp_step.py", args)
+    env = worker_malloc_env(os.environ) if same_malloc else None
+    return torchrun_json(cfg.scaling.max_workers, "ddp_step.py", args, env)
 
 
 def _deepspeed_peer(cfg, overrides: list[str], steps: int) -> dict:
@@ -176,13 +184,15 @@ def round_order(
 ) -> list[tuple[str, int | None]]:
     """Round ``r``'s runs in order: each elastic run beside the peer it is judged
     against (DDP at ZeRO-0, DeepSpeed at the same stage above it), e.g. ddp, elastic 0,
-    deepspeed 0, deepspeed 2, elastic 2; every other round the other way round. A
-    variant's run (``elastic:NAME``) comes just before its stage's peer, the default
-    elastic run just after: both next to the peer (with one variant)."""
+    ddp with elastic's malloc settings, deepspeed 0, deepspeed 2, elastic 2; every other
+    round the other way round. A variant's run (``elastic:NAME``) comes just before its
+    stage's peer, the default elastic run just after: both next to the peer (with one
+    variant)."""
     mine = {s: [(f"elastic:{v}", s) for v in variants] for s in stages}
     runs: list[tuple[str, int | None]] = []
     if 0 in stages:
-        runs += [*mine[0], ("ddp", None), ("elastic", 0), ("deepspeed", 0)]
+        zero0 = [("ddp", None), ("elastic", 0), ("ddp_malloc", None), ("deepspeed", 0)]
+        runs += [*mine[0], *zero0]
     else:
         runs += [("ddp", None)]
     for s in stages:
@@ -276,10 +286,11 @@ def measure(args: argparse.Namespace) -> dict:
             cpu: dict[str, dict[str, Any]] = {}
             for who, stage in round_order(stages, r, tuple(variants)):
                 overrides = [f"strategy.zero_stage={stage}", *args.overrides]
-                if who == "ddp":
-                    out, cpu["ddp"] = _counted(partial(_ddp_peer, cfg, args.steps))
-                    result["ddp"] = float(out["step_s"])
-                    result["ddp_mean"] = float(out["mean_step_s"])  # hiccups in, not compared
+                if who in ("ddp", "ddp_malloc"):
+                    run = partial(_ddp_peer, cfg, args.steps, who == "ddp_malloc")
+                    out, cpu[who] = _counted(run)
+                    result[who] = float(out["step_s"])
+                    result[f"{who}_mean"] = float(out["mean_step_s"])  # hiccups in
                 elif who == "deepspeed":
                     name = f"deepspeed_zero{stage}"
                     out, cpu[name] = _counted(partial(_deepspeed_peer, cfg, overrides, args.steps))
@@ -324,6 +335,17 @@ def measure(args: argparse.Namespace) -> dict:
             "vs_deepspeed": _figures(vs_ds),
             # what DeepSpeed itself adds above plain DDP, elastic's loop and Ray aside
             "deepspeed_vs_ddp": _figures([r[ds] / r["ddp"] for r in rounds]),
+            # like for like: DDP with the malloc settings elastic's workers get (ZeRO-0)
+            **(
+                {
+                    "vs_ddp_same_malloc": _figures([r[el] / r["ddp_malloc"] for r in rounds]),
+                    "ddp_same_malloc_vs_ddp": _figures(
+                        [r["ddp_malloc"] / r["ddp"] for r in rounds]
+                    ),
+                }
+                if s == 0
+                else {}
+            ),
             "elastic_first_epoch_step_s": median(f"{el}_first_epoch"),
             "ratio_first_epoch": median(f"{el}_first_epoch") / median(peer),
             "elastic_step_s_with_epoch_starts": median(f"{el}_with_epoch_starts"),
@@ -354,6 +376,16 @@ def measure(args: argparse.Namespace) -> dict:
         "stages": by_stage,
         "peers": {
             "torchrun_ddp": {"step_s": ddp, "rounds": [r["ddp"] for r in rounds]},
+            **(
+                {
+                    "torchrun_ddp_same_malloc": {
+                        "step_s": median("ddp_malloc"),
+                        "rounds": [r["ddp_malloc"] for r in rounds],
+                    }
+                }
+                if 0 in stages
+                else {}
+            ),
             **{
                 f"torchrun_deepspeed_zero{s}": {
                     "step_s": median(f"deepspeed_zero{s}"),
@@ -387,6 +419,13 @@ def measure(args: argparse.Namespace) -> dict:
                 f"overhead ZeRO-{name}, variant {variant} ({' '.join(w['overrides'])}): "
                 f"{w['elastic_step_s'] * 1e3:.2f} ms/step; vs {v['peer']} {w['ratio']:.3f} "
                 f"({_interval(w)}), vs the default elastic run {d['ratio']:.3f} ({_interval(d)})"
+            )
+        if "vs_ddp_same_malloc" in v:
+            same, gain = v["vs_ddp_same_malloc"], v["ddp_same_malloc_vs_ddp"]
+            print(
+                f"overhead ZeRO-{name}: vs DDP with elastic's malloc settings "
+                f"{same['ratio']:.3f} ({_interval(same)}); those settings alone, DDP "
+                f"with them over DDP without: {gain['ratio']:.3f} ({_interval(gain)})"
             )
         interval = _interval(v)
         print(
