@@ -252,6 +252,17 @@ def test_each_overhead_round_runs_elastic_next_to_its_peer_and_every_other_round
             peers = [("ddp", None), *malloc] if s == 0 else [("deepspeed", s)]
             for peer in peers:  # at ZeRO-0 plain DDP and DDP with elastic's malloc
                 assert peer in first[max(0, i - 1) : i + 2], (stages, first)
+        # with DeepSpeed given elastic's malloc settings too: one more run a stage, next
+        # to the elastic run above ZeRO-0, next to DDP with the same settings at 0
+        more = round_order(stages, 0, ds_malloc=True)
+        assert round_order(stages, 1, ds_malloc=True) == more[::-1]
+        assert sorted(more, key=str) == sorted(
+            first + [("deepspeed_malloc", s) for s in stages], key=str
+        )
+        for s in stages:
+            i = more.index(("deepspeed_malloc", s))
+            near = ("ddp_malloc", None) if s == 0 else ("elastic", s)
+            assert near in more[max(0, i - 1) : i + 2], (stages, more)
 
 
 def test_an_overhead_variant_runs_next_to_the_same_peer_as_the_default():

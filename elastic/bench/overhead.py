@@ -83,6 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--variant 'after=strategy.overlap_reduce=false' (overrides separated by spaces): "
         "judged against the same peer and against the default elastic run; no verdict",
     )
+    p.add_argument(
+        "--deepspeed-malloc",
+        action="store_true",
+        help="also run DeepSpeed under torchrun with the malloc settings elastic gives its "
+        "workers, next to each elastic run (vs_deepspeed_same_malloc: like for like)",
+    )
     p.add_argument("overrides", nargs="*", help="extra config overrides for the elastic run")
 
 
@@ -140,12 +146,14 @@ def _ddp_peer(cfg, steps: int, same_malloc: bool = False) -> dict:
     return torchrun_json(cfg.scaling.max_workers, "ddp_step.py", args, env)
 
 
-def _deepspeed_peer(cfg, overrides: list[str], steps: int) -> dict:
+def _deepspeed_peer(cfg, overrides: list[str], steps: int, same_malloc: bool = False) -> dict:
     """DeepSpeed under torchrun, the engine elastic builds from the same config: its
-    rank 0's JSON line (``step_s``, ``window``, ``steps``)."""
+    rank 0's JSON line (``step_s``, ``window``, ``steps``); ``same_malloc`` as for
+    :func:`_ddp_peer`."""
     args = ["--steps", str(steps), "--warmup", str(WARMUP_STEPS), "--"]
     args += ["+experiment=smoke", *overrides]
-    return torchrun_json(cfg.scaling.max_workers, "ds_step.py", args)
+    env = worker_malloc_env(os.environ) if same_malloc else None
+    return torchrun_json(cfg.scaling.max_workers, "ds_step.py", args, env)
 
 
 TRAINING = "ray::RayTrainWorker"  # the kind of an elastic run's training processes
@@ -180,23 +188,25 @@ def _counted(run: Callable[[], dict]) -> tuple[dict, dict[str, Any]]:
 
 
 def round_order(
-    stages: list[int], r: int, variants: tuple[str, ...] = ()
+    stages: list[int], r: int, variants: tuple[str, ...] = (), ds_malloc: bool = False
 ) -> list[tuple[str, int | None]]:
     """Round ``r``'s runs in order: each elastic run beside the peer it is judged
     against (DDP at ZeRO-0, DeepSpeed at the same stage above it), e.g. ddp, elastic 0,
     ddp with elastic's malloc settings, deepspeed 0, deepspeed 2, elastic 2; every other
     round the other way round. A variant's run (``elastic:NAME``) comes just before its
     stage's peer, the default elastic run just after: both next to the peer (with one
-    variant)."""
+    variant). ``ds_malloc``: DeepSpeed with elastic's malloc settings too, next to
+    each elastic run or its DDP-with-the-settings neighbour."""
     mine = {s: [(f"elastic:{v}", s) for v in variants] for s in stages}
+    dsm = {s: [("deepspeed_malloc", s)] if ds_malloc else [] for s in stages}
     runs: list[tuple[str, int | None]] = []
     if 0 in stages:
-        zero0 = [("ddp", None), ("elastic", 0), ("ddp_malloc", None), ("deepspeed", 0)]
+        zero0 = [("ddp", None), ("elastic", 0), ("ddp_malloc", None), *dsm[0], ("deepspeed", 0)]
         runs += [*mine[0], *zero0]
     else:
         runs += [("ddp", None)]
     for s in stages:
-        runs += [*mine[s], ("deepspeed", s), ("elastic", s)] if s != 0 else []
+        runs += [*mine[s], ("deepspeed", s), ("elastic", s), *dsm[s]] if s != 0 else []
     return runs if r % 2 == 0 else runs[::-1]
 
 
@@ -284,16 +294,19 @@ def measure(args: argparse.Namespace) -> dict:
         for r in range(args.rounds):
             result: dict[str, float] = {}
             cpu: dict[str, dict[str, Any]] = {}
-            for who, stage in round_order(stages, r, tuple(variants)):
+            for who, stage in round_order(stages, r, tuple(variants), args.deepspeed_malloc):
                 overrides = [f"strategy.zero_stage={stage}", *args.overrides]
                 if who in ("ddp", "ddp_malloc"):
                     run = partial(_ddp_peer, cfg, args.steps, who == "ddp_malloc")
                     out, cpu[who] = _counted(run)
                     result[who] = float(out["step_s"])
                     result[f"{who}_mean"] = float(out["mean_step_s"])  # hiccups in
-                elif who == "deepspeed":
-                    name = f"deepspeed_zero{stage}"
-                    out, cpu[name] = _counted(partial(_deepspeed_peer, cfg, overrides, args.steps))
+                elif who in ("deepspeed", "deepspeed_malloc"):
+                    name = f"deepspeed_zero{stage}" + ("_malloc" if who != "deepspeed" else "")
+                    run = partial(
+                        _deepspeed_peer, cfg, overrides, args.steps, who == "deepspeed_malloc"
+                    )
+                    out, cpu[name] = _counted(run)
                     result[name] = float(out["step_s"])
                     result[f"{name}_mean"] = float(out["mean_step_s"])
                 else:
@@ -344,6 +357,18 @@ def measure(args: argparse.Namespace) -> dict:
                     ),
                 }
                 if s == 0
+                else {}
+            ),
+            **(
+                {
+                    "vs_deepspeed_same_malloc": _figures(
+                        [r[el] / r[f"{ds}_malloc"] for r in rounds]
+                    ),
+                    "deepspeed_same_malloc_vs_deepspeed": _figures(
+                        [r[f"{ds}_malloc"] / r[ds] for r in rounds]
+                    ),
+                }
+                if args.deepspeed_malloc
                 else {}
             ),
             "elastic_first_epoch_step_s": median(f"{el}_first_epoch"),
@@ -402,6 +427,7 @@ def measure(args: argparse.Namespace) -> dict:
             "zero_stages": stages,
             "overrides": args.overrides,
             "variants": variants,
+            "deepspeed_malloc": args.deepspeed_malloc,
             "steps": args.steps,
             "warmup_steps": WARMUP_STEPS,
             "workers": cfg.scaling.max_workers,
@@ -426,6 +452,13 @@ def measure(args: argparse.Namespace) -> dict:
                 f"overhead ZeRO-{name}: vs DDP with elastic's malloc settings "
                 f"{same['ratio']:.3f} ({_interval(same)}); those settings alone, DDP "
                 f"with them over DDP without: {gain['ratio']:.3f} ({_interval(gain)})"
+            )
+        if "vs_deepspeed_same_malloc" in v:
+            same, gain = v["vs_deepspeed_same_malloc"], v["deepspeed_same_malloc_vs_deepspeed"]
+            print(
+                f"overhead ZeRO-{name}: vs DeepSpeed with elastic's malloc settings "
+                f"{same['ratio']:.3f} ({_interval(same)}); those settings alone on "
+                f"DeepSpeed: {gain['ratio']:.3f} ({_interval(gain)})"
             )
         interval = _interval(v)
         print(
