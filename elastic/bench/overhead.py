@@ -446,20 +446,14 @@ def measure(args: argparse.Namespace) -> dict:
                 f"{w['elastic_step_s'] * 1e3:.2f} ms/step; vs {v['peer']} {w['ratio']:.3f} "
                 f"({_interval(w)}), vs the default elastic run {d['ratio']:.3f} ({_interval(d)})"
             )
-        if "vs_ddp_same_malloc" in v:
-            same, gain = v["vs_ddp_same_malloc"], v["ddp_same_malloc_vs_ddp"]
-            print(
-                f"overhead ZeRO-{name}: vs DDP with elastic's malloc settings "
-                f"{same['ratio']:.3f} ({_interval(same)}); those settings alone, DDP "
-                f"with them over DDP without: {gain['ratio']:.3f} ({_interval(gain)})"
-            )
-        if "vs_deepspeed_same_malloc" in v:
-            same, gain = v["vs_deepspeed_same_malloc"], v["deepspeed_same_malloc_vs_deepspeed"]
-            print(
-                f"overhead ZeRO-{name}: vs DeepSpeed with elastic's malloc settings "
-                f"{same['ratio']:.3f} ({_interval(same)}); those settings alone on "
-                f"DeepSpeed: {gain['ratio']:.3f} ({_interval(gain)})"
-            )
+        for peer, label in (("ddp", "DDP"), ("deepspeed", "DeepSpeed")):
+            if f"vs_{peer}_same_malloc" in v:  # like for like: the peer with the settings
+                same, gain = v[f"vs_{peer}_same_malloc"], v[f"{peer}_same_malloc_vs_{peer}"]
+                print(
+                    f"overhead ZeRO-{name}: vs {label} with elastic's malloc settings "
+                    f"{same['ratio']:.3f} ({_interval(same)}); those settings alone on "
+                    f"{label}: {gain['ratio']:.3f} ({_interval(gain)})"
+                )
         interval = _interval(v)
         print(
             f"overhead ZeRO-{name}: elastic {v['elastic_step_s'] * 1e3:.2f} ms/step vs "
