@@ -284,11 +284,16 @@ def test_every_world_size_trains_the_same_batches_and_a_resize_resumes_them(smal
     by_one, by_cut = _records(tmp_path / "one"), _records(tmp_path / "cut")
     assert {s: r["train/batch_digest"] for s, r in by_one.items()} == planned
     assert {s: r["train/batch_digest"] for s, r in by_cut.items()} == planned
-    worst = max(
-        abs(by_cut[s]["train/loss"] - by_one[s]["train/loss"]) / abs(by_one[s]["train/loss"])
-        for s in planned
-    )
-    assert worst < 1e-4, worst  # fp32 sums in another order; another batch differs by ~10%
+
+    def worst(run: dict[int, dict], steps) -> float:
+        """The largest relative loss difference from the 1-worker run over ``steps``."""
+        return max(
+            abs(run[s]["train/loss"] - by_one[s]["train/loss"]) / abs(by_one[s]["train/loss"])
+            for s in steps
+        )
+
+    # fp32 sums in another order; another batch differs by ~10%
+    assert worst(by_cut, planned) < 1e-4, worst(by_cut, planned)
 
     zero0 = [o if o != "trainer.max_epochs=2" else "trainer.max_epochs=1" for o in common]
     at3 = train(
@@ -306,11 +311,7 @@ def test_every_world_size_trains_the_same_batches_and_a_resize_resumes_them(smal
     assert reductions("one") == ["deepspeed"]  # one worker: nothing to all-reduce
     by_z0 = _records(tmp_path / "z0")
     assert sorted(by_z0) == list(range(1, 17))
-    worst = max(
-        abs(by_z0[s]["train/loss"] - by_one[s]["train/loss"]) / abs(by_one[s]["train/loss"])
-        for s in by_z0
-    )
-    assert worst < 1e-4, worst
+    assert worst(by_z0, by_z0) < 1e-4, worst(by_z0, by_z0)
 
     # any step's samples can be named after the run, without it (a loss spike replayed)
     import subprocess
