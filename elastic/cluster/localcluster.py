@@ -416,24 +416,29 @@ class Throttle:
 class Slowdown:
     """Makes processes really slower: pins them to one CPU beside ``busy`` processes
     that spin on it (each then gets 1 / (busy + 1) of the CPU), and pins ``fast`` ones
-    to another CPU alone. :meth:`stop` ends the spinning."""
+    to another CPU alone. The spinning starts at :meth:`apply`, not before: until then
+    the machine is whole (spinners started at once took one of 2 cores from everything
+    else while a run started, ~30 s a run in the suite); :meth:`stop` ends it."""
 
     def __init__(self, busy: int = 1) -> None:
         cpus = sorted(os.sched_getaffinity(0))
         if len(cpus) < 2:
             raise RuntimeError("slowing one worker down needs 2 CPUs")
         self.fast_cpu, self.slow_cpu = cpus[0], cpus[1]
-        self.busy = [
-            subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)
-        ]
-        for p in self.busy:
-            pin(p.pid, self.slow_cpu)
+        self.spinners = busy
+        self.busy: list[subprocess.Popen[bytes]] = []
 
     def apply(self, slow: list[int], fast: list[int] | None = None) -> None:
-        """Pin ``slow`` to the busy CPU and ``fast`` to the other, twice half a second
-        apart (threads started meanwhile by threads not yet pinned). The spinning
-        processes take the slowed ones' niceness (Ray starts its workers niced: a
-        spinner at nice 0 would take nearly all of the CPU from them)."""
+        """Start the spinners on one CPU (if not yet), pin ``slow`` to it and ``fast``
+        to the other, twice half a second apart (threads started meanwhile by threads
+        not yet pinned). The spinners take the slowed ones' niceness (Ray starts its
+        workers niced: a spinner at nice 0 would take nearly all of the CPU from
+        them)."""
+        if slow and not self.busy:
+            spin = [sys.executable, "-c", "while True: pass"]
+            self.busy = [subprocess.Popen(spin) for _ in range(self.spinners)]
+            for p in self.busy:
+                pin(p.pid, self.slow_cpu)
         if slow:
             nice = psutil.Process(slow[0]).nice()
             for p in self.busy:
@@ -444,6 +449,7 @@ class Slowdown:
         for p in self.busy:
             p.kill()
             p.wait()
+        self.busy = []
 
 
 class CpuClock(threading.Thread):
