@@ -79,7 +79,8 @@ def cluster_data(root, rows: int, seed: int):
 
 
 def cluster_overrides(data, hidden: int, batch: int, epochs: int, *extra: str) -> list[str]:
-    """The multi-node tests' run: a checkpoint every 5 steps, a log line every step."""
+    """The multi-node tests' run: a checkpoint every 5 steps, a log line every step, the
+    controller's fast poll (:data:`FAST_POLL`)."""
     return [
         "+experiment=smoke",
         f"data.path={data}/train",
@@ -94,15 +95,19 @@ def cluster_overrides(data, hidden: int, batch: int, epochs: int, *extra: str) -
         "checkpoint.every_steps=5",
         "logger=none",
         "scaling.resize_interval_s=2",
+        FAST_POLL,
         *extra,
     ]
 
 
 def train(overrides: list[str]) -> dict:
-    """Compose, validate and train in-process, as ``launch/run.py`` does."""
+    """Compose, validate and train in-process, as ``launch/run.py`` does (with the
+    controller's fast poll, :data:`FAST_POLL`, unless the overrides set the poll)."""
     from elastic.config.compose import compose, plain, typed_config
     from elastic.train.driver import train as driver_train
 
+    if not any(o.startswith("scaling.health_check_interval_s=") for o in overrides):
+        overrides = [FAST_POLL, *overrides]
     cfg, experiment = compose(overrides)
     typed = typed_config(cfg, experiment)
     return driver_train(typed, plain(cfg))

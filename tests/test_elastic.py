@@ -10,7 +10,6 @@ import time
 
 import pytest
 from conftest import (
-    FAST_POLL,
     assert_every_epoch_once,
     cluster_data,
     cluster_overrides,
@@ -30,7 +29,7 @@ def data(tmp_path_factory):
 
 
 def _overrides(data, *extra: str) -> list[str]:
-    return cluster_overrides(data, 1024, BATCH, EPOCHS, FAST_POLL, *extra)
+    return cluster_overrides(data, 1024, BATCH, EPOCHS, *extra)
 
 
 @pytest.fixture

@@ -37,18 +37,20 @@ def _drop_checkpoints_after(run_dir, step: int) -> None:
             shutil.rmtree(folder)
 
 
-@pytest.mark.parametrize(
-    ("stage", "overlap"), [(0, False), (0, True), (1, False), (2, False), (3, False)]
-)
-def test_zero_stage_trains_checkpoints_and_resumes_exactly(stage, overlap, small_data, tmp_path):
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_zero_stage_trains_checkpoints_and_resumes_exactly(stage, small_data, tmp_path):
     """One epoch of 1,000 rows at a global batch of 64 (16 steps, the last one partial,
     split unevenly over the 2 workers), checkpointing every 3 steps; then its checkpoints
     after step 6 are deleted by hand and the same command resumes from step 6: it
-    continues bit for bit and trains every sample of the epoch exactly once. ZeRO-0 also
-    with elastic's own overlapped gradient all-reduce (``strategy.overlap_reduce``)."""
+    continues bit for bit and trains every sample of the epoch exactly once. ZeRO-0 with
+    its default reduction, elastic's overlapped all-reduce (``strategy.overlap_reduce``).
+
+    Not here, for the suite's time (~35 s a case): ZeRO-1, whose checkpoint is ZeRO-2's
+    (one DeepSpeed optimizer class; resumed across world sizes in test_reshard.py, loaded
+    at every stage in test_checkpoint.py), and ZeRO-0 with DeepSpeed's reduction, whose
+    checkpoint is the same as with elastic's."""
     common = [
         f"strategy.zero_stage={stage}",
-        f"strategy.overlap_reduce={str(overlap).lower()}",
         "trainer.max_steps=0",
         "trainer.max_epochs=1",
         "logger=none",
