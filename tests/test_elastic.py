@@ -10,6 +10,7 @@ import time
 
 import pytest
 from conftest import (
+    FAST_POLL,
     assert_every_epoch_once,
     cluster_data,
     cluster_overrides,
@@ -29,7 +30,7 @@ def data(tmp_path_factory):
 
 
 def _overrides(data, *extra: str) -> list[str]:
-    return cluster_overrides(data, 1024, BATCH, EPOCHS, *extra)
+    return cluster_overrides(data, 1024, BATCH, EPOCHS, FAST_POLL, *extra)
 
 
 @pytest.fixture

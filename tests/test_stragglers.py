@@ -279,7 +279,7 @@ def test_evict_drops_the_slow_node_for_its_cooldown_then_takes_it_back(tmp_path)
     cooldown = 20
     data = cluster_data(tmp_path / "data", 2048, seed=3)
     overrides = cluster_overrides(
-        data, 1024, 64, 200,
+        data, 1024, 64, 200, FAST_POLL,
         "scaling.min_workers=1", "scaling.max_workers=2", "scaling.cpus_per_worker=3",
         "checkpoint.every_steps=1000", "trainer.log_every_steps=4",
         "stragglers.policy=evict", "stragglers.window=3",
