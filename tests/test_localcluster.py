@@ -37,6 +37,11 @@ def test_records_are_every_whole_line_so_far_and_a_new_file_starts_over(tmp_path
     # a new, shorter history (the run folder made again): read from its start
     history.write_text(json.dumps({"step": 7, "train/loss": 0.1}) + "\n")
     assert run.records() == [{"step": 7, "train/loss": 0.1}]
+    # a new file in its place, longer than what was read of the old one
+    fresh = tmp_path / "fresh.jsonl"
+    fresh.write_text("".join(json.dumps({"step": s, "train/loss": 1.0}) + "\n" for s in range(9)))
+    os.replace(fresh, history)
+    assert [r["step"] for r in run.records()] == list(range(9))
     history.unlink()
     assert run.records() == []
 

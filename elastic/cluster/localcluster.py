@@ -155,6 +155,7 @@ class RunFiles:
         self.dir = run_dir
         self._records: list[dict[str, Any]] = []
         self._read_to = 0  # bytes of the history parsed into _records
+        self._inode = 0  # of the history file they came from
 
     def records(self) -> list[dict[str, Any]]:
         """The run's records so far, every whole line of its history once: each call
@@ -163,8 +164,9 @@ class RunFiles:
         later."""
         try:
             with open(self.dir / HISTORY_FILE, "rb") as f:
-                if os.fstat(f.fileno()).st_size < self._read_to:  # a new file
-                    self._records, self._read_to = [], 0
+                st = os.fstat(f.fileno())
+                if st.st_ino != self._inode or st.st_size < self._read_to:  # a new file
+                    self._records, self._read_to, self._inode = [], 0, st.st_ino
                 f.seek(self._read_to)
                 new = f.read()
         except FileNotFoundError:
