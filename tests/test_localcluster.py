@@ -60,7 +60,7 @@ def test_a_wait_asks_whether_the_run_ended_twice_a_second_and_names_what_it_wait
     tmp_path,
 ):
     """A Slurm job's "ended?" is four processes (scontrol in the controller's
-    namespace): asked at every 20 ms poll, that took a core from the job it watched."""
+    namespace): asked at every 20 ms poll, ~200 processes a second beside the job."""
     run = _Counted(tmp_path, exit_at=time.monotonic() + 1.2)
     with pytest.raises(AssertionError, match=r"run exited \(3\) before step 5"):
         run.wait_for("step 5", lambda: run.last_step() >= 5, poll=0.01)
