@@ -187,6 +187,16 @@ def _counted(run: Callable[[], dict]) -> tuple[dict, dict[str, Any]]:
     return result, _cpu_ms(clock, tuple(result["window"]), result["steps"])
 
 
+def _same_malloc(rounds: list[dict[str, float]], el: str, peer: str, key: str) -> dict:
+    """Elastic (round key ``el``) against ``peer`` given elastic's malloc settings (round
+    key ``<key>_malloc``), and those settings' own effect on ``peer`` (over ``key``)."""
+    given = f"{key}_malloc"
+    return {
+        f"vs_{peer}_same_malloc": _figures([r[el] / r[given] for r in rounds]),
+        f"{peer}_same_malloc_vs_{peer}": _figures([r[given] / r[key] for r in rounds]),
+    }
+
+
 def round_order(
     stages: list[int], r: int, variants: tuple[str, ...] = (), ds_malloc: bool = False
 ) -> list[tuple[str, int | None]]:
@@ -349,28 +359,8 @@ def measure(args: argparse.Namespace) -> dict:
             # what DeepSpeed itself adds above plain DDP, elastic's loop and Ray aside
             "deepspeed_vs_ddp": _figures([r[ds] / r["ddp"] for r in rounds]),
             # like for like: DDP with the malloc settings elastic's workers get (ZeRO-0)
-            **(
-                {
-                    "vs_ddp_same_malloc": _figures([r[el] / r["ddp_malloc"] for r in rounds]),
-                    "ddp_same_malloc_vs_ddp": _figures(
-                        [r["ddp_malloc"] / r["ddp"] for r in rounds]
-                    ),
-                }
-                if s == 0
-                else {}
-            ),
-            **(
-                {
-                    "vs_deepspeed_same_malloc": _figures(
-                        [r[el] / r[f"{ds}_malloc"] for r in rounds]
-                    ),
-                    "deepspeed_same_malloc_vs_deepspeed": _figures(
-                        [r[f"{ds}_malloc"] / r[ds] for r in rounds]
-                    ),
-                }
-                if args.deepspeed_malloc
-                else {}
-            ),
+            **(_same_malloc(rounds, el, "ddp", "ddp") if s == 0 else {}),
+            **(_same_malloc(rounds, el, "deepspeed", ds) if args.deepspeed_malloc else {}),
             "elastic_first_epoch_step_s": median(f"{el}_first_epoch"),
             "ratio_first_epoch": median(f"{el}_first_epoch") / median(peer),
             "elastic_step_s_with_epoch_starts": median(f"{el}_with_epoch_starts"),
