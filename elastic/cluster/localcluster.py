@@ -462,12 +462,12 @@ class Slowdown:
         not yet pinned). The spinners take the slowed ones' niceness (Ray starts its
         workers niced: a spinner at nice 0 would take nearly all of the CPU from
         them)."""
-        if slow and not self.busy:
-            spin = [sys.executable, "-c", "while True: pass"]
-            self.busy = [subprocess.Popen(spin) for _ in range(self.spinners)]
-            for p in self.busy:
-                pin(p.pid, self.slow_cpu)
         if slow:
+            if not self.busy:
+                spin = [sys.executable, "-c", "while True: pass"]
+                self.busy = [subprocess.Popen(spin) for _ in range(self.spinners)]
+                for p in self.busy:
+                    pin(p.pid, self.slow_cpu)
             nice = psutil.Process(slow[0]).nice()
             for p in self.busy:
                 psutil.Process(p.pid).nice(nice)
