@@ -1,4 +1,5 @@
-"""One rank of a resharding check, run by tests/test_reshard.py in spawned processes.
+"""One rank of a resharding check, run by tests/test_reshard.py in forked processes
+(tests/ranks.py).
 
 Real DeepSpeed engines over a real gloo process group (no Ray: the engine and checkpoint
 code are what is under test). A phase either trains a fresh model for a few steps and
@@ -130,7 +131,7 @@ def run(
     # Leave without the interpreter's teardown: about one run in 50, a gloo/DeepSpeed
     # (ZeRO-3) C++ thread still joinable at finalization aborts the process after this
     # rank's work is done and checked ("terminate called without an active exception",
-    # no Python frame: seen with faulthandler and a core dump), and the spawn fails.
+    # no Python frame: seen with faulthandler and a core dump), and the phase fails.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

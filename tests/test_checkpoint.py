@@ -2,7 +2,7 @@
 that changed, planted pickle payloads, and staging that a killed save leaves behind.
 
 End to end on a real local Ray cluster (2 workers, DeepSpeed ZeRO-1 on gloo) from one
-stopped run copied per test; engine-level checks in a spawned gloo world of 1."""
+stopped run copied per test; engine-level checks in a gloo world of 1 (tests/ranks.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import socket
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import small_overrides, train
+from ranks import start_ranks
 
 from elastic.errors import RunError
 from elastic.train import checkpoint as ckpt
@@ -326,13 +326,7 @@ def test_restore_loads_plain_files_and_never_runs_a_planted_payload(stage, tmp_p
     driver's check in front: planted while the run runs); one in the old format's
     rng-rank0.pt is never read."""
     out = str(tmp_path / "results.json")
-    mp.start_processes(
-        _engine_worker,
-        args=(stage, _free_port(), str(tmp_path), out),
-        nprocs=1,
-        join=True,
-        start_method="spawn",
-    )
+    start_ranks(_engine_worker, (stage, _free_port(), str(tmp_path), out), 1)
     with open(out) as f:
         results = json.load(f)
     for case, result in results.items():

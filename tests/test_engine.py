@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import torch
-import torch.multiprocessing as mp
+from ranks import spawn_ranks, start_ranks
 
 
 def test_the_cpu_shared_memory_op_is_never_built():
@@ -80,7 +80,7 @@ def _reference(clip: float) -> list[list[float]]:
 
 
 def _join_two_ranks(rank: int, port: int) -> None:
-    """This spawned process as ``rank`` of a 2-rank gloo group, DeepSpeed on it."""
+    """This process as ``rank`` of a 2-rank gloo group, DeepSpeed on it."""
     import torch.distributed as dist
 
     from elastic.train.engine import init_distributed
@@ -139,7 +139,7 @@ def _free_port() -> int:
 
 def test_every_stage_updates_as_plain_torch_does_with_clipping_off_and_on(tmp_path):
     out = str(tmp_path / "params.json")
-    mp.start_processes(_rank, args=(_free_port(), out), nprocs=2, join=True, start_method="spawn")
+    start_ranks(_rank, (_free_port(), out), 2)
     with open(out) as f:
         got = json.load(f)
     for clip in CLIPS:
@@ -206,9 +206,7 @@ def test_zero2_steps_map_no_fresh_pages_with_the_workers_malloc_settings(tmp_pat
             if kept:
                 monkeypatch.setenv(key, value)
         out = str(tmp_path / f"{kept}.json")
-        mp.start_processes(
-            _faults_rank, args=(_free_port(), out), nprocs=2, join=True, start_method="spawn"
-        )
+        spawn_ranks(_faults_rank, (_free_port(), out), 2)  # a fresh glibc, this environment
         with open(out) as f:
             return json.load(f)
 
@@ -339,9 +337,7 @@ def test_the_overlapped_zero0_reduction_updates_as_plain_torch_does(tmp_path):
     parameter that takes two gradients in one backward pass, or a layer frozen during
     the run, is refused in words; a sparse embedding is left to DeepSpeed."""
     out = str(tmp_path / "params.json")
-    mp.start_processes(
-        _overlap_rank, args=(_free_port(), out), nprocs=2, join=True, start_method="spawn"
-    )
+    start_ranks(_overlap_rank, (_free_port(), out), 2)
     for rank in (0, 1):
         with open(f"{out}.{rank}") as f:
             got = json.load(f)

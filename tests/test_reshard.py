@@ -1,7 +1,8 @@
 """Resharding resume: a ZeRO 1/2/3 checkpoint written at world size N resumes at M with
-model and optimizer state, through elastic.train.checkpoint (real DeepSpeed engines, real gloo
-process groups in spawned processes); the universal form it loads from is made once, by
-the whole group (elastic.train.reshard), into one folder every rank reads, then removed."""
+model and optimizer state, through elastic.train.checkpoint (real DeepSpeed engines, real
+gloo process groups in forked processes: tests/ranks.py); the universal form it loads from
+is made once, by the whole group (elastic.train.reshard), into one folder every rank reads,
+then removed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import start_ranks
 from reshard_worker import run
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m 'not slow'
@@ -23,13 +24,7 @@ def _free_port() -> int:
 
 def _phase(world, stage, tmp_path, name, load=None, save=None) -> dict:
     dump = str(tmp_path / f"{name}.pt")
-    mp.start_processes(
-        run,
-        args=(world, stage, _free_port(), load, save, dump),
-        nprocs=world,
-        join=True,
-        start_method="spawn",
-    )
+    start_ranks(run, (world, stage, _free_port(), load, save, dump), world)
     return torch.load(dump, weights_only=False)
 
 

@@ -1,5 +1,6 @@
 """A rank's time split into its own work and the wait in the collectives, on real
-DeepSpeed ZeRO-2 engines over a real 2-rank gloo group (spawned processes, no Ray).
+DeepSpeed ZeRO-2 engines over a real 2-rank gloo group (forked processes:
+tests/ranks.py; no Ray).
 
 Rank 1 computes for real (matrix products, not a sleep) for a while before its backward
 pass and again before its optimizer step; rank 0 then waits for it inside DeepSpeed's
@@ -15,7 +16,7 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import start_ranks
 
 BURN_S = 0.4  # rank 1's extra work before each of the two phases
 
@@ -90,7 +91,7 @@ def _free_port() -> int:
 
 def test_a_slow_rank_is_waited_for_in_comm_not_in_the_fast_ranks_own_work(tmp_path):
     out = str(tmp_path / "times.pt")
-    mp.start_processes(_rank, args=(_free_port(), out), nprocs=2, join=True, start_method="spawn")
+    start_ranks(_rank, (_free_port(), out), 2)
     fast, slow = torch.load(out, weights_only=False)
     burned = slow["burned"]
     assert burned >= 2 * BURN_S

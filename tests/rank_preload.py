@@ -1,0 +1,17 @@
+"""What every rank of tests/ranks.py imports, imported once, in its fork server."""
+
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed picks its accelerator at import
+
+import deepspeed  # noqa: E402,F401
+import torch  # noqa: E402,F401
+
+# what building an engine imports on the spot, ~4.5 s of CPU a rank here (measured
+# 2026-12-06): torch's compiler stack (a torch optimizer's constructor imports it) and
+# DeepSpeed's Muon module (its ZeRO optimizer check does; torch's inductor with it)
+import torch._dynamo  # noqa: E402,F401
+from deepspeed.runtime.zero.muon import muon_optimizer  # noqa: E402,F401
+
+import elastic.train.checkpoint  # noqa: E402,F401
+import elastic.train.engine  # noqa: E402,F401
