@@ -2,7 +2,9 @@
 
 import os
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed picks its accelerator at import
+# DeepSpeed picks its accelerator at import, once: the ranks run on CPU whatever this
+# environment says (each sets DS_ACCELERATOR=cpu too, which would come too late)
+os.environ["DS_ACCELERATOR"] = "cpu"
 
 import deepspeed  # noqa: E402,F401
 import torch  # noqa: E402,F401

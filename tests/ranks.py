@@ -5,8 +5,8 @@ A rank is forked from a fork server that has imported torch, DeepSpeed, torch's 
 stack and elastic's engine and checkpoint code once for the whole test session
 (``forkserver``, preloading :mod:`rank_preload`), not started as a fresh interpreter that
 imports them all again (``spawn``: ~5 s of one core a rank here, before its work of a
-fraction of a second). test_reshard starts 36 ranks: 111 s spawned, 12 s forked
-(2026-12-06, this 2-core machine).
+fraction of a second). test_reshard starts 36 ranks: 141 s spawned, 8 s forked (full
+suites from clean clones, 2026-12-06, this 2-core machine).
 
 What a rank so started does not get: the test's environment of the moment. It has the
 fork server's, from when that started (the session's first call), and its C library was
@@ -36,9 +36,9 @@ def start_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> 
 
 def _fork_server() -> None:
     """Start the fork server unless it runs: a fresh interpreter that imports
-    :mod:`rank_preload` (from this folder: on its path through PYTHONPATH, which only it
-    gets; Python's fork server takes no sys.path of ours, and skips a preload that does
-    not import without a word)."""
+    :mod:`rank_preload` (from this folder, put on its PYTHONPATH: Python's fork server
+    takes no sys.path of ours, and skips a preload that does not import without a word).
+    The ranks it forks inherit that PYTHONPATH; this process's is left as it was."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(["rank_preload"])
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([HERE, *([saved] if saved else [])])

@@ -168,6 +168,9 @@ def test_cached_and_streamed_epochs_train_alike_and_resume_in_a_later_epoch_exac
         losses[name] = _losses(tmp_path / name)
         if name == "cached":
             _assert_wandb_offline_run_holds_the_logged_metrics(full, tmp_path / name, 48)
+        # ZeRO-2: the optimizer state in one partition a rank
+        resume_from = tmp_path / name / "step=000000020" / "model"
+        assert len(glob.glob(str(resume_from / "*optim_states.pt"))) == 2
         _drop_checkpoints_after(tmp_path / name, 20)
         resumed = train(command)
         assert resumed["status"] == "finished" and resumed["steps"] == 48
