@@ -9,7 +9,7 @@ os.environ["DS_ACCELERATOR"] = "cpu"
 import deepspeed  # noqa: E402,F401
 import torch  # noqa: E402,F401
 
-# what building an engine imports on the spot, ~4.5 s of CPU a rank here (measured
+# what building an engine imports on the spot, 2-3 s of a core a rank here (measured
 # 2026-12-06): torch's compiler stack (a torch optimizer's constructor imports it) and
 # DeepSpeed's Muon module (its ZeRO optimizer check does; torch's inductor with it)
 import torch._dynamo  # noqa: E402,F401
