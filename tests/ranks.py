@@ -19,10 +19,18 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now: the ranks' rendezvous (MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:

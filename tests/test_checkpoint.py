@@ -11,13 +11,12 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 
 import numpy as np
 import pytest
 import torch
 from conftest import small_overrides, train
-from ranks import start_ranks
+from ranks import free_port, start_ranks
 
 from elastic.errors import RunError
 from elastic.train import checkpoint as ckpt
@@ -230,12 +229,6 @@ def test_checkpoints_are_staged_under_the_run_and_stale_staging_is_removed(
 # -- engine level (no Ray) ------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _engine_worker(rank: int, stage: int, port: int, root: str, out: str) -> None:
     """Train 2 steps and write a checkpoint; then, per case, restore a copy of it (planted
     with a payload, or not) into a fresh engine and note what happened."""
@@ -326,7 +319,7 @@ def test_restore_loads_plain_files_and_never_runs_a_planted_payload(stage, tmp_p
     driver's check in front: planted while the run runs); one in the old format's
     rng-rank0.pt is never read."""
     out = str(tmp_path / "results.json")
-    start_ranks(_engine_worker, (stage, _free_port(), str(tmp_path), out), 1)
+    start_ranks(_engine_worker, (stage, free_port(), str(tmp_path), out), 1)
     with open(out) as f:
         results = json.load(f)
     for case, result in results.items():

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 
 import torch
-from ranks import spawn_ranks, start_ranks
+from ranks import free_port, spawn_ranks, start_ranks
 
 
 def test_the_cpu_shared_memory_op_is_never_built():
@@ -131,15 +130,9 @@ def _rank(rank: int, port: int, out: str) -> None:
     os._exit(0)  # no gloo/DeepSpeed thread left to abort the interpreter's teardown
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_every_stage_updates_as_plain_torch_does_with_clipping_off_and_on(tmp_path):
     out = str(tmp_path / "params.json")
-    start_ranks(_rank, (_free_port(), out), 2)
+    start_ranks(_rank, (free_port(), out), 2)
     with open(out) as f:
         got = json.load(f)
     for clip in CLIPS:
@@ -206,7 +199,7 @@ def test_zero2_steps_map_no_fresh_pages_with_the_workers_malloc_settings(tmp_pat
             if kept:
                 monkeypatch.setenv(key, value)
         out = str(tmp_path / f"{kept}.json")
-        spawn_ranks(_faults_rank, (_free_port(), out), 2)  # a fresh glibc, this environment
+        spawn_ranks(_faults_rank, (free_port(), out), 2)  # a fresh glibc, this environment
         with open(out) as f:
             return json.load(f)
 
@@ -337,7 +330,7 @@ def test_the_overlapped_zero0_reduction_updates_as_plain_torch_does(tmp_path):
     parameter that takes two gradients in one backward pass, or a layer frozen during
     the run, is refused in words; a sparse embedding is left to DeepSpeed."""
     out = str(tmp_path / "params.json")
-    start_ranks(_overlap_rank, (_free_port(), out), 2)
+    start_ranks(_overlap_rank, (free_port(), out), 2)
     for rank in (0, 1):
         with open(f"{out}.{rank}") as f:
             got = json.load(f)

@@ -6,25 +6,17 @@ then removed."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-from ranks import start_ranks
+from ranks import free_port, start_ranks
 from reshard_worker import run
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m 'not slow'
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _phase(world, stage, tmp_path, name, load=None, save=None) -> dict:
     dump = str(tmp_path / f"{name}.pt")
-    start_ranks(run, (world, stage, _free_port(), load, save, dump), world)
+    start_ranks(run, (world, stage, free_port(), load, save, dump), world)
     return torch.load(dump, weights_only=False)
 
 

@@ -11,12 +11,11 @@ work, the wait must show as ``comm``."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
-from ranks import start_ranks
+from ranks import free_port, start_ranks
 
 BURN_S = 0.4  # rank 1's extra work before each of the two phases
 
@@ -83,15 +82,9 @@ def _rank(rank: int, port: int, out: str) -> None:
     os._exit(0)  # no gloo/DeepSpeed thread left to abort the interpreter's teardown
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_slow_rank_is_waited_for_in_comm_not_in_the_fast_ranks_own_work(tmp_path):
     out = str(tmp_path / "times.pt")
-    start_ranks(_rank, (_free_port(), out), 2)
+    start_ranks(_rank, (free_port(), out), 2)
     fast, slow = torch.load(out, weights_only=False)
     burned = slow["burned"]
     assert burned >= 2 * BURN_S
