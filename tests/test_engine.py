@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 
+import pytest
 import torch
 from ranks import free_port, spawn_ranks, start_ranks
 
@@ -348,3 +349,40 @@ def test_the_overlapped_zero0_reduction_updates_as_plain_torch_does(tmp_path):
     torch.manual_seed(0)
     moved = torch.tensor(got["branchy/0/1"]["params"][2]) - _Branchy().b.weight.flatten()
     assert moved.abs().max().item() > 1e-4
+
+
+X86_AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\nflags\t\t: avx2\n"
+X86_AMX = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+ARM_BF16 = "processor\t: 0\nFeatures\t: fp asimd sve i8mm bf16\nCPU part\t: 0xd4f\n"
+ARM_PLAIN = "processor\t: 0\nFeatures\t: fp asimd evtstrm crc32\n"
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "overrides", "warned"),
+    [
+        (X86_AVX2, ["strategy.precision=bf16"], True),
+        (ARM_PLAIN, ["strategy.precision=bf16"], True),
+        (X86_AMX, ["strategy.precision=bf16"], False),
+        (ARM_BF16, ["strategy.precision=bf16"], False),
+        (X86_AVX2, ["strategy.precision=fp32"], False),
+        (X86_AVX2, ["strategy.precision=bf16", "scaling.use_gpu=true"], False),
+        ("processor\t: 0\n", ["strategy.precision=bf16"], False),  # no flags: no telling
+        (None, ["strategy.precision=bf16"], False),  # no /proc/cpuinfo (macOS)
+    ],
+)
+def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_of(tmp_path, cpuinfo, overrides, warned):
+    """bf16 on a CPU without bf16 instructions (AVX2-only x86, Arm without its BF16
+    extension) is emulated, ~20x slower than fp32 there: the run says so at its start
+    (the ``bf16_slow_on_cpu`` event; end to end in tests/test_cbed.py) with the fix. A
+    GPU run, fp32, a CPU that has them, or a machine that cannot tell: no warning."""
+    from elastic.config.compose import compose, typed_config
+    from elastic.train.engine import slow_bf16_warning
+
+    path = tmp_path / "cpuinfo"
+    if cpuinfo is not None:
+        path.write_text(cpuinfo)
+    cfg, name = compose(["+experiment=smoke", f"run.storage_path={tmp_path}", *overrides])
+    got = slow_bf16_warning(typed_config(cfg, name), str(path))
+    assert (got is not None) == warned, got
+    if warned:
+        assert "strategy.precision=fp32" in got["fix"] and "avx512_bf16" in got["missing"]

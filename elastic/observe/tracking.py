@@ -40,7 +40,7 @@ def json_text(obj: Any, indent: int | None = None) -> str:
 FLUSH_S = 1.0
 # events worth a W&B alert: the job lost or regained workers, was stopped, or a rank
 # is slowing every step down
-ALERTS = ("restart", "preempted", "node_drain", "straggler")
+ALERTS = ("restart", "preempted", "node_drain", "straggler", "bf16_slow_on_cpu")
 
 
 def wandb_key_configured() -> bool:

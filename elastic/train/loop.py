@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import socket
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -39,7 +40,13 @@ from elastic.train import integrity
 from elastic.train.batch import BatchPlan
 from elastic.train.control import StopPoller, SyncPace, node_drain_probe, wait_for_eviction
 from elastic.train.divergence import Divergence
-from elastic.train.engine import build_engine, init_distributed, set_base_lr, warm_imports
+from elastic.train.engine import (
+    build_engine,
+    init_distributed,
+    set_base_lr,
+    slow_bf16_warning,
+    warm_imports,
+)
 from elastic.train.reduce import overlapped_reduce
 from elastic.train.stragglers import FIGURES, Evicting, StragglerWatch, eviction
 from elastic.train.timing import COMPUTE, PHASES, CollectiveClock, PhaseTimes
@@ -141,6 +148,9 @@ def train_loop(config: dict[str, Any]) -> None:
             cause = "evict" if evicted else cause
             tracker.event(state.step, "restart", cause=cause, world_size=world, previous=before)
     _note_start(state, tracker, plan, resumed=resume_from is not None, resharded=resharded)
+    slow_bf16 = slow_bf16_warning(cfg) if rank == 0 else None  # rank 0's node, every start
+    if slow_bf16 is not None:
+        tracker.event(state.step, "bf16_slow_on_cpu", host=socket.gethostname(), **slow_bf16)
     if rank == 0:
         stale = ckpt.remove_unregistered(args.run_dir, state.step)
         if stale:
