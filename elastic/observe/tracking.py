@@ -38,8 +38,8 @@ def json_text(obj: Any, indent: int | None = None) -> str:
 
 # seconds between W&B's flushes of the run's transaction log (see Tracker)
 FLUSH_S = 1.0
-# events worth a W&B alert: the job lost or regained workers, was stopped, or a rank
-# is slowing every step down
+# events worth a W&B alert: the job lost or regained workers, was stopped, a rank is
+# slowing every step down, or bf16 runs emulated on a CPU without bf16 instructions
 ALERTS = ("restart", "preempted", "node_drain", "straggler", "bf16_slow_on_cpu")
 
 
