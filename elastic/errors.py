@@ -35,8 +35,71 @@ class DivergedError(RunError):
     """Training produced a non-finite loss or gradient: the run stops at that step."""
 
 
+class UserCodeError(RunError):
+    """An exception raised inside a plugin's own code (a format's decoder, finisher or
+    augmentation, a model's ``build``): it fails the same way on every retry, so the run
+    ends at once with one line naming the function, the exception and the fix."""
+
+
+class StorageFullError(RunError):
+    """The run's storage has no room left (a checkpoint, a record): a retry would fill it
+    again. The last complete checkpoint is kept."""
+
+
 # every RunError class, by the name Ray's tracebacks carry it under
-RUN_ERRORS = ("DataError", "CheckpointError", "DivergedError", "RunError")
+RUN_ERRORS = (
+    "DataError",
+    "CheckpointError",
+    "DivergedError",
+    "UserCodeError",
+    "StorageFullError",
+    "RunError",
+)
+
+
+def user_code_site(exc: BaseException) -> str:
+    """``file.py:LINE`` of the innermost frame of ``exc``'s traceback that is neither the
+    library's nor a package it runs on (numpy, torch, ...): where in a plugin it went
+    wrong (else the innermost frame)."""
+    import os
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    library = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    others = [f"{os.sep}site-packages{os.sep}{p}" for p in _RUNS_ON]
+    own = [
+        f
+        for f in frames
+        if not f.filename.startswith(library) and not any(o in f.filename for o in others)
+    ]
+    if not (own or frames):
+        return "?"
+    frame = (own or frames)[-1]
+    return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+
+
+_RUNS_ON = ("numpy", "torch", "pyarrow", "ray", "pandas", "deepspeed")
+
+
+@contextmanager
+def user_code(what: str, fix: str) -> Iterator[None]:
+    """Run a plugin's code (``what``: e.g. "format 'frames' decoder"): any exception it
+    raises becomes a :class:`UserCodeError`, one line naming ``what``, the exception, its
+    place and the ``fix``. A :class:`RunError` it raises on purpose goes on as it is."""
+    try:
+        yield
+    except RunError:
+        raise
+    except Exception as e:
+        raise UserCodeError(
+            f"{what} raised {type(e).__name__}: {exception_text(e)} ({user_code_site(e)}): {fix}"
+        ) from e
+
+
+def exception_text(e: BaseException, limit: int = 300) -> str:
+    """``e``'s message on one line, at most ``limit`` characters."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def run_error(exc: BaseException) -> str | None:

@@ -13,7 +13,7 @@ import importlib
 import os
 from importlib.metadata import entry_points
 
-from elastic.errors import ConfigError
+from elastic.errors import ConfigError, exception_text, user_code_site
 
 PLUGINS_ENV = "ELASTIC_PLUGINS"
 BUILTIN = ("elastic.datasets.images", "elastic.datasets.protein")
@@ -26,16 +26,40 @@ def plugin_modules() -> list[str]:
 
 
 def load_plugins() -> None:
-    """Import the built-in formats and every plugin; idempotent (imports are cached)."""
+    """Import the built-in formats and every plugin; idempotent (imports are cached).
+
+    A plugin that cannot be found, or that raises while it imports (a typo, a missing
+    package of its own), is a :class:`ConfigError`: one line naming the plugin, what it
+    raised and where, before Ray starts."""
     for name in [*BUILTIN, *plugin_modules()]:
+        if name in BUILTIN:
+            importlib.import_module(name)
+            continue
         try:
             importlib.import_module(name)
-        except ImportError as e:
-            if name in BUILTIN:
-                raise
-            raise ConfigError(
-                f"plugin {name!r} (in {PLUGINS_ENV}) cannot be imported ({e}): put its folder "
-                "on PYTHONPATH or install its package"
-            ) from None
+        except ModuleNotFoundError as e:
+            if e.name is not None and (name == e.name or name.startswith(f"{e.name}.")):
+                # the plugin itself (or its package) is not there
+                raise ConfigError(
+                    f"plugin {name!r} (in {PLUGINS_ENV}) cannot be imported ({e}): put its "
+                    "folder on PYTHONPATH or install its package"
+                ) from None
+            raise ConfigError(_failed(f"plugin {name!r} (in {PLUGINS_ENV})", e)) from None
+        except Exception as e:
+            raise ConfigError(_failed(f"plugin {name!r} (in {PLUGINS_ENV})", e)) from None
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        ep.load()
+        try:
+            ep.load()
+        except Exception as e:
+            raise ConfigError(
+                _failed(f"plugin {ep.value!r} (entry point {ep.name!r} of {ENTRY_POINT_GROUP})", e)
+            ) from None
+
+
+def _failed(plugin: str, e: Exception) -> str:
+    """One line: the plugin raised ``e`` while it was imported."""
+    return (
+        f"{plugin} fails on import with {type(e).__name__}: {exception_text(e)} "
+        f"({user_code_site(e)}): "
+        "fix the plugin module (or drop it from the list)"
+    )

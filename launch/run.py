@@ -33,7 +33,7 @@ with exit_on_stop():
         register_schemas,
         typed_config,
     )
-    from elastic.errors import ConfigError, DataError, RunError
+    from elastic.errors import ConfigError, DataError, RunError, UserCodeError
 
     try:
         register_schemas()  # with the plugins' models: a plugin that fails to import is said here
@@ -53,7 +53,7 @@ def main(cfg: DictConfig) -> None:
         cfg.run.name = f"{cfg.run.name}-{hc.job.num}"
     try:
         typed = typed_config(cfg, hc.runtime.choices.get("experiment") or "", hc.runtime.output_dir)
-    except ConfigError as e:
+    except (ConfigError, UserCodeError) as e:
         fail(str(e))
     try:
         summary = train(typed, plain(cfg))

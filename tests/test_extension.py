@@ -34,7 +34,8 @@ def _user_project(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     finally:
         sys.path.remove(str(project))
     write_spectra(str(tmp_path / "data/train"), 768, 128, seed=0)
-    write_spectra(str(tmp_path / "data/val"), 192, 128, seed=1, first_id=10_000)
+    # one shard, one row group: on 2 workers one rank's validation share is empty
+    write_spectra(str(tmp_path / "data/val"), 192, 128, seed=1, first_id=10_000, shards=1)
     return project, env
 
 
@@ -93,3 +94,103 @@ def test_a_plugin_is_checked_before_ray_starts(tmp_path):
         assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert len(lines) == 1 and needle in lines[0], lines
     assert not (tmp_path / "runs").exists()
+
+
+def _break(project: Path, old: str, new: str) -> None:
+    """The user's plugin with one mistake in it: ``old`` replaced by ``new``."""
+    plugin = project / "spectra_plugin.py"
+    text = plugin.read_text()
+    assert old in text, old
+    plugin.write_text(text.replace(old, new, 1))
+
+
+FLAT = "    x = x.astype(np.float32)\n"
+TWO_ROWS = "    x = x.astype(np.float32).reshape(len(raw), 2, length // 2)\n"
+REGISTER = "register_format(SpectrumFormat())\n"
+UNDECLARED = (
+    "class Undeclared(SpectrumFormat):\n"
+    "    def input_shape(self, cfg, model):\n"
+    "        return None  # no shape declared: the model takes what the decoder gives\n\n\n"
+    "register_format(Undeclared())\n"
+)
+MISTAKES = {
+    # a plugin that raises while it imports: a traceback and exit 1 before
+    "import": ([(REGISTER, REGISTER + "frobnicate()\n")], "fails on import with NameError"),
+    # a decoder giving rows of another shape than the model's input_dim
+    "shape": (
+        [(FLAT, TWO_ROWS)],
+        "decodes inputs of shape 2x64 a row, but its input_shape() says 128",
+    ),
+    # the same where the format declares no shape: the model itself is run on the rows
+    "model_input": (
+        [(FLAT, TWO_ROWS), (REGISTER, UNDECLARED)],
+        "model=spectrum_cnn cannot take the decoded inputs: its forward pass on 4 rows of "
+        "shape 2x64",
+    ),
+    # a decoder that raises on every batch (found in the workers, 10 retries, before)
+    "decoder": (
+        [('"y": batch[target_column]', '"y": batch[target_colum]')],
+        "data.format=spectrum's decoder (decode_spectra) on sample_id 0..3 raised NameError",
+    ),
+    "build": (
+        [("return nn.Sequential(*layers)", "return nn.Sequential(*layer)")],
+        "model=spectrum_cnn's build() raised NameError",
+    ),
+    # labels as the task cannot use them: a class the model does not have
+    "labels": (
+        [('"y": batch[target_column].to_numpy(),', '"y": batch[target_column].to_numpy() + 3,')],
+        "but model=spectrum_cnn has classes 0..2",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_a_mistake_in_a_plugins_code_is_one_line_before_ray_starts(tmp_path, mistake):
+    """Errors raised in a plugin's own code, or shapes it gets wrong, end the run with
+    one line naming the function, its file and line where it raised, exit 2, before
+    Ray starts and before anything is written."""
+    project, env = _user_project(tmp_path)
+    edits, needle = MISTAKES[mistake]
+    for old, new in edits:
+        _break(project, old, new)
+    proc = _run(project, env, tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert len(lines) == 1 and needle in lines[0], lines
+    if mistake in ("import", "decoder", "build"):
+        assert "(spectra_plugin.py:" in lines[0], lines  # where in the plugin
+    assert "connected to" not in proc.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_forgotten_plugin_is_named_in_the_one_line(tmp_path):
+    project, env = _user_project(tmp_path)
+    env = {k: v for k, v in env.items() if k != "ELASTIC_PLUGINS"}
+    proc = _run(project, env, tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert "model=spectrum_cnn is not a registered model family" in lines[0], lines
+    assert "ELASTIC_PLUGINS=module" in lines[0], lines
+
+
+@pytest.mark.slow
+def test_a_decoder_that_fails_on_a_later_row_ends_the_run_at_once(tmp_path):
+    """A decoder error on rows the check before Ray does not read, raised inside Ray
+    Data in a worker, fails the same way on every retry: one line naming the decoder,
+    the rows, the error and its line; exit 2; the worker group is not restarted (Ray
+    Train restarted it 10 times, 290 s and 805 lines of tracebacks)."""
+    project, env = _user_project(tmp_path)
+    _break(
+        project,
+        FLAT,
+        FLAT + "    if batch['sample_id'].to_numpy().max() >= 700:\n"
+        "        raise ValueError('frame 700 is corrupt')\n",
+    )
+    proc = _run(project, env, tmp_path, "scaling.max_failures=3")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: data.format=spectrum's decoder (decode_spectra) on "), last
+    assert "raised ValueError: frame 700 is corrupt (spectra_plugin.py:" in last, last
+    with open(tmp_path / "runs/spectra/metrics.jsonl") as f:
+        events = [r["event"] for r in map(json.loads, f) if "event" in r]
+    assert events.count("world_size") == 1 and "restart" not in events, events

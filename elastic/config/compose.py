@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from elastic.config.schema import RETIRED_KEYS, DataConfig, TrainConfig
 from elastic.config.validate import resolve_paths, to_typed
-from elastic.errors import EXIT_USER_ERROR, ConfigError
+from elastic.errors import EXIT_USER_ERROR, ConfigError, UserCodeError
 from elastic.models import MODEL_SCHEMAS
 from elastic.plugins import load_plugins
 
@@ -87,6 +87,9 @@ def _hydra_message(e: Exception, overrides: list[str], search: list[str] | None 
             f"unknown experiment {name!r}: there is no {name}.yaml in {places}; "
             f"use one of: {', '.join(available)} (an experiment of your own: --config-dir DIR)"
         )
+    unregistered = _unregistered_plugin(text)
+    if unregistered:
+        return unregistered
     cause = e.__cause__ if e.__cause__ is not None else e
     if isinstance(cause, OmegaConfBaseException):
         key = getattr(cause, "full_key", "") or ""
@@ -116,6 +119,35 @@ def _hydra_message(e: Exception, overrides: list[str], search: list[str] | None 
             )
         return _one_line(lines[0]) + " (check the override against the README)"
     return _one_line(text)
+
+
+def _unregistered_plugin(text: str) -> str | None:
+    """A config that names a model family or a format's settings no loaded module
+    registers: most often a plugin that was not loaded (``ELASTIC_PLUGINS`` unset)."""
+    import re
+
+    from elastic.data.formats import FORMATS
+    from elastic.plugins import PLUGINS_ENV, plugin_modules
+
+    loaded = ", ".join(plugin_modules()) or "none"
+    hint = (
+        f"if it comes from a plugin, load it: {PLUGINS_ENV}=module (its folder on PYTHONPATH; "
+        f"{PLUGINS_ENV} now: {loaded})"
+    )
+    model = re.search(r"Could not load 'schema/model/([^']+)'", text)
+    if model:
+        return (
+            f"model={model.group(1)} is not a registered model family (known: "
+            f"{', '.join(sorted(MODEL_SCHEMAS))}): {hint}, or fix the name"
+        )
+    settings = re.search(r"Key '([^']+)' not in 'DataConfig'", text)
+    if settings and settings.group(1) not in FORMATS:
+        return (
+            f"data.{settings.group(1)} is no key of data: a typo, or the settings of a format "
+            f"named {settings.group(1)!r} that no loaded module registers (known formats: "
+            f"{', '.join(sorted(FORMATS))}): {hint}"
+        )
+    return None
 
 
 def _runtime_overrides(args: list[str]) -> list[str]:
@@ -203,6 +235,7 @@ def check_storage(cfg: TrainConfig) -> None:
 def check_data(cfg: TrainConfig) -> None:
     """Data errors at config time; synthetic data that is missing gets generated later."""
     from elastic.data.formats import data_format, input_width
+    from elastic.data.probe import probe
     from elastic.data.shards import check_dataset, list_shards
 
     if cfg.data.synthetic is not None and not os.path.isdir(cfg.data.path):
@@ -211,7 +244,8 @@ def check_data(cfg: TrainConfig) -> None:
     if hint and not os.path.exists(cfg.data.path):
         raise ConfigError(f"data.path={cfg.data.path} does not exist: {hint}")
     check_dataset(cfg.data)
-    files = list_shards(cfg.data.path) + (
+    train_files = list_shards(cfg.data.path)
+    files = train_files + (
         list_shards(cfg.data.val_path, "data.val_path") if cfg.data.val_path else []
     )
     data_format(cfg.data.format).check_target(cfg.data, cfg.model, files)
@@ -232,6 +266,8 @@ def check_data(cfg: TrainConfig) -> None:
             f"model.{key} gives inputs of {expected} values but column "
             f"{cfg.data.input_column!r} in {cfg.data.path} has width {width}: {fix}"
         )
+    # the first rows through the format's decoder, the model and the loss (plugins' code)
+    probe(cfg, train_files)
 
 
 def check_generated_path(cfg: TrainConfig, overrides: list[str]) -> None:
@@ -285,7 +321,7 @@ def preflight(args: list[str]) -> None:
         try:
             cfg, experiment = compose(run_overrides, search)
             check_generated_path(typed_config(cfg, experiment), run_overrides)
-        except ConfigError as e:
+        except (ConfigError, UserCodeError) as e:  # a plugin's code on the first rows
             fail(str(e))
         except (HydraException, OmegaConfBaseException) as e:
             fail(_hydra_message(e, run_overrides, search))

@@ -69,7 +69,7 @@ def _read(path: str) -> Footer:
     )
 
 
-def _key(path: str) -> tuple[str, int, int, int]:
+def file_key(path: str) -> tuple[str, int, int, int]:
     """A file as it is now: a shard rewritten or replaced has another key."""
     try:
         st = os.stat(path)
@@ -81,7 +81,7 @@ def _key(path: str) -> tuple[str, int, int, int]:
 def footer(path: str) -> Footer:
     """``path``'s footer, read once while the file keeps its inode, size and modification
     time."""
-    key = _key(path)
+    key = file_key(path)
     found = _cache.get(key)
     if found is None:
         found = _cache[key] = _read(path)
@@ -92,7 +92,7 @@ def integer_range(path: str, column: str) -> tuple[int, int] | None:
     """The smallest and largest value of integer column ``column`` in ``path``, from its
     row-group statistics (None when a row group has none, or there is no such column):
     read only for the checks that ask (class labels), once while the file is unchanged."""
-    key = (*_key(path), column)
+    key = (*file_key(path), column)
     if key not in _ranges:
         meta = pq.read_metadata(path)
         index = meta.schema.to_arrow_schema().get_field_index(column)
@@ -120,7 +120,7 @@ def footers(files: list[str]) -> list[Footer]:
     """Every file's footer, in order; the first file (in order) that cannot be read
     raises :class:`FooterError`. Footers already read are taken as they are; only the
     others go to the threads."""
-    keys = [_key(f) for f in files]
+    keys = [file_key(f) for f in files]
     missing = [f for f, k in zip(files, keys, strict=True) if k not in _cache]
     _each(footer, missing)
     return [_cache[k] if k in _cache else footer(f) for f, k in zip(files, keys, strict=True)]

@@ -95,25 +95,26 @@ class DataFormat:
         field_type = footer(files[0]).schema.field(cfg.input_column).type
         return field_type.list_size if pa.types.is_fixed_size_list(field_type) else None
 
-    def input_shape(self, cfg: DataConfig, model: Any) -> tuple[int, ...]:
-        """One row's input shape as the model takes it (an empty batch has it)."""
-        return (getattr(model, "input_dim", None) or 1,)
+    def input_shape(self, cfg: DataConfig, model: Any) -> tuple[int, ...] | None:
+        """One row's input as the model takes it (after the finisher), where the format
+        fixes it: checked against the decoded rows before Ray starts. None: whatever
+        the decoder gives (the default, unless the model takes flat vectors of
+        ``input_dim``)."""
+        width = getattr(model, "input_dim", None)
+        return (width,) if width else None
 
-    def target_shape(self, cfg: DataConfig, model: Any) -> tuple[tuple[int, ...], Any]:
-        """One row's target shape and dtype as decoded (an empty batch has them)."""
+    def target_shape(self, cfg: DataConfig, model: Any) -> tuple[tuple[int, ...], Any] | None:
+        """One row's target shape and dtype as decoded, checked against the decoded rows
+        before Ray starts (for a shape, only its number of values: a regression target of
+        one value may be a scalar). By the model's task: classification, one integer
+        class label (shape ``()``, int64); multitask, ``[class, regressed values...]``;
+        regression, ``output_dim`` floats. None: not checked."""
         outputs = getattr(model, "output_dim", 1)
-        classes = getattr(model, "classes", 0)
-        # multitask targets are [class, regressed...]
-        return (outputs - classes + bool(classes),), np.float32
-
-    def empty_batch(self, cfg: DataConfig, model: Any) -> dict[str, np.ndarray]:
-        """A step's batch on a worker whose share of the epoch has run out."""
-        target, dtype = self.target_shape(cfg, model)
-        return {
-            ID_COLUMN: np.zeros(0, np.int64),
-            "x": np.zeros((0, *self.input_shape(cfg, model)), np.float32),
-            "y": np.zeros((0, *target), dtype),
-        }
+        if model.task == "classification":
+            return (), np.int64
+        if model.task == "multitask":
+            return (outputs - model.classes + 1,), np.float32
+        return (outputs,), np.float32
 
     def check(self, cfg: DataConfig, model: Any) -> None:
         """Config errors of this format with this model (raise ConfigError)."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from elastic.config.schema import DataConfig
@@ -20,6 +21,7 @@ from elastic.data.assemble import GROUP_COLUMNS
 from elastic.data.footers import footer
 from elastic.data.formats import Finisher, data_format
 from elastic.data.shards import ID_COLUMN, Split
+from elastic.errors import user_code
 
 
 def read_columns(cfg: DataConfig, schema: pa.Schema) -> list[str]:
@@ -58,21 +60,58 @@ def fits_cache(cfg: DataConfig, split: Split) -> bool:
 
 def decoder(cfg: DataConfig, shard: str) -> tuple[Any, dict[str, Any]]:
     """The function that turns an Arrow batch of ``cfg``'s shards into model arrays, and
-    its keyword arguments (``shard``: any shard of the split; its format decides)."""
+    its keyword arguments (``shard``: any shard of the split; its format decides). What
+    it raises is a :class:`~elastic.errors.UserCodeError` naming it: a decoder fails the
+    same way on every retry."""
     decode, kwargs = data_format(cfg.format).decoder(cfg, shard)
-    return decode, {"input_column": cfg.input_column, "target_column": cfg.target_column, **kwargs}
+    guarded = FormatCode(decode, f"data.format={cfg.format}'s decoder")
+    return guarded, {"input_column": cfg.input_column, "target_column": cfg.target_column, **kwargs}
 
 
 def finisher(cfg: DataConfig, shard: str) -> Finisher:
     """What turns a step's decoded inputs into the model's, in the training worker (the
-    format's :meth:`~elastic.data.formats.DataFormat.finisher`; the identity where the
-    format has none)."""
+    format's :meth:`~elastic.data.formats.DataFormat.finisher`, its errors named as the
+    decoder's are; the identity where the format has none)."""
     finish = data_format(cfg.format).finisher(cfg, shard)
-    return finish if finish is not None else _as_decoded
+    if finish is None:
+        return _as_decoded
+    return FormatCode(finish, f"data.format={cfg.format}'s finisher")
 
 
 def _as_decoded(x: np.ndarray) -> np.ndarray:
     return x
+
+
+FIX_FORMAT = "fix it (README 'Bring your own dataset or model' says what a decoder returns)"
+
+
+class FormatCode:
+    """A format's decoder or finisher (a plugin's code, or a built-in's): called as it
+    is; an exception it raises becomes a :class:`~elastic.errors.UserCodeError` naming
+    the function, the exception, its line and the batch's sample ids. Picklable: Ray
+    Data ships it to its tasks."""
+
+    def __init__(self, fn: Any, what: str) -> None:
+        self.fn = fn
+        inner = getattr(fn, "func", fn)  # a functools.partial
+        self.what = f"{what} ({getattr(inner, '__qualname__', type(inner).__name__)})"
+
+    def __call__(self, batch: Any, **kwargs: Any) -> Any:
+        try:
+            return self.fn(batch, **kwargs)
+        except Exception:
+            with user_code(self.what + _ids_of(batch), FIX_FORMAT):  # named, one line
+                raise
+
+
+def _ids_of(batch: Any) -> str:
+    """ " on sample_id LOW..HIGH" of an Arrow batch, for the message (else "")."""
+    try:
+        ids = batch[ID_COLUMN]
+        low, high = pc.min_max(ids).values()
+        return f" on sample_id {low.as_py()}..{high.as_py()}"
+    except Exception:
+        return ""
 
 
 def planned_dataset(

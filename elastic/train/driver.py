@@ -17,6 +17,7 @@ from elastic.cluster.cordon import Cordons
 from elastic.config.schema import TrainConfig
 from elastic.data.order import Layout
 from elastic.data.pipeline import fits_cache, warm_up
+from elastic.data.probe import probe
 from elastic.data.reader import data_changes, data_record, setting_changes
 from elastic.data.shards import Split, check_dataset
 from elastic.errors import CheckpointError, ConfigError, RunError
@@ -78,6 +79,8 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     splits = prepare_data(cfg)
     out = run_dir(cfg)
     train_split = splits["train"]
+    # the first rows through decoder, model and loss, before Ray starts (plugins' code)
+    probed = probe(cfg, train_split.files)
     layout = Layout(train_split.row_groups)
     record = data_record(cfg.data, train_split.files, layout)
     # the checkpoint to resume from: intact, made for this model and this data, or the
@@ -120,6 +123,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
                     cache_train=cache_train,
                     train_rows=train_split.rows,
                     val_files=splits["val"].files if "val" in splits else [],
+                    empty=probed.empty,
                     control=control,
                 )
             },

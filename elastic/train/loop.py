@@ -31,7 +31,7 @@ from elastic.data.order import Layout, slice_sizes
 from elastic.data.reader import PlannedReader, epoch_plan
 from elastic.data.shards import damaged_shard
 from elastic.data.stream import StepBatch, StepStream, val_blocks
-from elastic.errors import find_run_error, run_error
+from elastic.errors import find_run_error, run_error, user_code
 from elastic.models.losses import MetricSums, per_sample_loss
 from elastic.observe.summary import WorkerSummary
 from elastic.observe.tracking import NullTracker, make_tracker
@@ -73,6 +73,9 @@ class WorkerArgs:
     cache_train: bool
     """The decoded train split fits ``data.cache_mb``: each row group read once a worker."""
     train_rows: int
+    empty: dict[str, np.ndarray] = field(default_factory=dict)
+    """A batch of no rows with the decoded rows' shapes and dtypes (the driver's
+    :func:`~elastic.data.probe.probe`): what a rank with no rows of a step trains on."""
     val_files: list[str] = field(default_factory=list)
     """The validation split's shards (each worker reads its share: stream.val_blocks)."""
     control: Any = None
@@ -111,14 +114,15 @@ def train_loop(config: dict[str, Any]) -> None:
             first_step=state.step - state.epoch_start_step,
             epochs=_epochs_left(cfg, steps_per_epoch, state),
             cache=args.cache_train,
-            empty=data_format(cfg.data.format).empty_batch(cfg.data, cfg.model),
+            empty=args.empty,
         )
         marks = {"data_s": time.perf_counter()}
         CollectiveClock.install()  # before DeepSpeed keeps references to collectives
         init_distributed(cfg.scaling.use_gpu, warming)
         marks["distributed_s"] = time.perf_counter()
         _seed_everything(cfg.trainer.seed)
-        model = cfg.model.build()
+        with user_code(f"model={cfg.model.name}'s build()", "fix the model family's build()"):
+            model = cfg.model.build()
         resharded = path is not None and ckpt.needs_reshard(state, world, cfg.strategy.zero_stage)
         engine = build_engine(cfg, plan, model, load_universal=resharded)
         marks["engine_s"] = time.perf_counter()
@@ -159,6 +163,7 @@ def train_loop(config: dict[str, Any]) -> None:
     trainer = _Trainer(cfg, engine, plan, state, tracker, rank, world, control, args.train_rows)
     trainer.steps_per_epoch = steps_per_epoch
     trainer.run_dir = args.run_dir
+    trainer.empty = args.empty
     trainer.startup = {"since": started, **startup}
     try:
         trainer.train(reader, args.val_files)
@@ -287,7 +292,8 @@ class _Trainer:
         self.reader: PlannedReader | None = None
         self.steps_per_epoch = 0
         self.task = cfg.model.task
-        self.format = data_format(cfg.data.format)  # its decoding, augmentation, shapes
+        self.format = data_format(cfg.data.format)  # its decoding, augmentation
+        self.empty: dict[str, np.ndarray] = {}  # a batch of no rows, the decoded shapes
         self.classes = getattr(cfg.model, "classes", 0)
         self.beta = getattr(cfg.model, "beta", 1.0)
         self.device = engine.device
@@ -512,7 +518,8 @@ class _Trainer:
 
     def _step(self, batch: StepBatch) -> None:
         plan, engine, d = self.plan, self.engine, self.cfg.data
-        inputs = self.format.augment(batch.x, batch.sample_id, self.state.epoch, d)
+        with user_code(f"data.format={d.format}'s augment()", "fix the format's augment()"):
+            inputs = self.format.augment(batch.x, batch.sample_id, self.state.epoch, d)
         x = torch.from_numpy(inputs).to(self.device, self.dtype)
         y = x if self.task == "vae" else torch.from_numpy(batch.y).to(self.device)
         # Weight per-sample losses so the gradient is the mean over the step's rows on all
@@ -726,7 +733,7 @@ class _Trainer:
             val_blocks(self.cfg.data, val_files, self.rank, self.world),
             self.plan.micro_batch_size,
             lambda rows: self._all_reduce_step(rows)[0],
-            empty=self._empty_batch(),
+            empty=self.empty,
         )
         with torch.no_grad():
             for batch in stream:
@@ -747,9 +754,6 @@ class _Trainer:
             + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()),
         )
         return metrics
-
-    def _empty_batch(self) -> dict[str, np.ndarray]:
-        return self.format.empty_batch(self.cfg.data, self.cfg.model)
 
     def _exactly_once(self) -> bool:
         """From the ledger the surviving checkpoints carry: every closed epoch trained

@@ -97,9 +97,11 @@ class SpectrumCNNConfig:
         return nn.Sequential(*layers)
 
 
-def write_spectra(out: str, rows: int, length: int, seed: int, first_id: int = 0) -> None:
+def write_spectra(
+    out: str, rows: int, length: int, seed: int, first_id: int = 0, shards: int = 4
+) -> None:
     """A toy dataset: one peak per spectrum; its position (third of the range) is the
-    class."""
+    class. ``shards`` files of consecutive sample ids, a row group each."""
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, 3, rows)
     grid = np.arange(length)
@@ -116,5 +118,5 @@ def write_spectra(out: str, rows: int, length: int, seed: int, first_id: int = 0
     import os
 
     os.makedirs(out, exist_ok=True)
-    for i, part in enumerate(np.array_split(np.arange(rows), 4)):
+    for i, part in enumerate(np.array_split(np.arange(rows), shards)):
         pq.write_table(table.take(part), f"{out}/part-{i:05d}.parquet")
