@@ -125,7 +125,7 @@ def test_a_damaged_newest_checkpoint_falls_back_and_a_deleted_one_is_dropped(
     again = _resume(small_data, tmp_path, "r", "trainer.max_steps=10")
     assert again["status"] == "finished" and again["steps"] == 10
     assert [e["step"] for e in read_events(run_dir) if e["event"] == "resume"] == [2, 8]
-    assert "warning" not in capsys.readouterr().out
+    assert "warning: checkpoint" not in capsys.readouterr().out
 
 
 def test_no_intact_checkpoint_ends_the_run_in_one_line_changing_nothing(
@@ -203,11 +203,85 @@ def test_a_payload_planted_in_the_rng_state_is_refused_by_the_worker(
 
     run_dir, newest, message = _planted(stopped_run, small_data, tmp_path, plant)
     assert message.startswith(
-        f"checkpoint {newest}: rng-rank0.npz is not plain arrays (Object arrays cannot be "
-        "loaded when allow_pickle=False): refused to load it"
+        f"checkpoint {newest}/rng-rank0.npz is not the RNG state it wrote (ValueError: Object "
+        "arrays cannot be loaded when allow_pickle=False): refused to load it"
     )
     # the run ended at its first worker group: no restart
     assert len([e for e in read_events(run_dir) if e["event"] == "world_size"]) == 1
+
+
+@pytest.mark.parametrize("replaced", ["rng-rank0.npz", "samples.npz"])
+def test_a_replaced_state_file_ends_the_run_in_one_line_naming_it(
+    stopped_run, small_data, tmp_path, replaced
+):
+    """A state file replaced by another kind of file (its manifest entry rewritten too):
+    an RNG state without the RNG's arrays was retried by every worker group (354 s), a
+    samples bitmap that is no bitmap was a traceback on the driver."""
+    run_dir = _copy(stopped_run, tmp_path, "r")
+    newest = os.path.join(run_dir, "step=000000006")
+    np.savez(os.path.join(newest, replaced), other=np.zeros(3))
+    _replant(newest, replaced)
+    with pytest.raises(RunError) as e:
+        _resume(small_data, tmp_path, "r", "trainer.max_steps=8")
+    message = str(e.value)
+    assert "\n" not in message and replaced in message and newest in message, message
+    assert "resume from another checkpoint" in message, message
+    # no restart: the stopped run's group is the only one that started
+    assert len([e for e in read_events(run_dir) if e["event"] == "world_size"]) == 1
+
+
+def _verified_steps(run_dir: str) -> list[int]:
+    return sorted(
+        int(n[5:])
+        for n in os.listdir(run_dir)
+        if n[5:].isdigit() and integrity.damage(os.path.join(run_dir, n)) is None
+    )
+
+
+def test_a_lost_checkpoint_list_resumes_from_the_newest_verified_checkpoint(
+    stopped_run, small_data, tmp_path, capsys
+):
+    """Ray Train's list of the run's checkpoints cut short: the run started from step 0
+    and its worker group deleted every checkpoint, verified ones too. Now the list is
+    moved aside and the run resumes from the newest checkpoint that verifies."""
+    run_dir = _copy(stopped_run, tmp_path, "r")
+    _truncate(os.path.join(run_dir, integrity.RAY_SNAPSHOT))
+    summary = _resume(small_data, tmp_path, "r", "trainer.max_steps=8")
+    assert summary["status"] == "finished" and summary["steps"] == 8
+    assert [e["step"] for e in read_events(run_dir) if e["event"] == "resume"] == [6]
+    out = capsys.readouterr().out
+    assert f"Ray Train's checkpoint list in {run_dir} is unreadable (" in out
+    assert "resuming from the newest checkpoint whose manifests verify, step=000000006" in out
+    assert os.path.exists(os.path.join(run_dir, integrity.RAY_SNAPSHOT + ".damaged"))
+    assert _verified_steps(run_dir) == [2, 4, 6, 8]  # none lost, the new one registered
+    assert integrity.registered_steps(run_dir) == [8]
+
+
+@pytest.mark.parametrize("how", ["missing", "names a missing folder", "another Ray"])
+def test_a_checkpoint_list_that_cannot_be_used_falls_back_to_the_folders(
+    stopped_run, tmp_path, how
+):
+    run_dir = _copy(stopped_run, tmp_path, "r")
+    path = os.path.join(run_dir, integrity.RAY_SNAPSHOT)
+    if how == "missing":
+        os.remove(path)
+    else:
+        with open(path) as f:
+            snapshot = json.load(f)
+        if how == "another Ray":
+            snapshot["ray_version"] = "2.9.0"
+        else:
+            snapshot["latest_checkpoint_result"]["checkpoint_dir_name"] = "step=000000099"
+        with open(path, "w") as f:
+            json.dump(snapshot, f)
+    from elastic.models.mlp import MLPConfig
+
+    resume = integrity.prepare_resume(
+        run_dir, MLPConfig(input_dim=32, output_dim=4, hidden_dims=[64, 64])
+    )
+    assert resume.path == os.path.join(run_dir, "step=000000006") and not resume.registered
+    assert "resuming from the newest checkpoint whose manifests verify" in resume.warnings[0]
+    assert _verified_steps(run_dir) == [2, 4, 6]
 
 
 def test_checkpoints_are_staged_under_the_run_and_stale_staging_is_removed(

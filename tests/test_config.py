@@ -139,6 +139,26 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
     )
     pq.write_table(pa.table({"sample_id": [0], "x": x, "y": y}), wide / "part-0.parquet")
     flat = ["model.input_dim=128", "data.val_path=null"]
+    # a FIFO named like a shard blocked the start-up check (and every signal) forever
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    pq.write_table(pa.table({"sample_id": [0], "x": x, "y": y}), fifo / "part-0.parquet")
+    os.mkfifo(fifo / "part-1.parquet")
+    # a split of no rows: ZeroDivisionError in every worker, retried 10 times
+    no_rows = tmp_path / "no_rows"
+    no_rows.mkdir()
+    pq.write_table(pa.table({"sample_id": [0], "x": x, "y": y}).slice(0, 0), no_rows / "p.parquet")
+    # ids that repeat (across shards, unordered: the statistics cannot prove them unique)
+    # or are negative: trained twice an epoch, or indexing the ledger from its end
+    twice = tmp_path / "twice"
+    twice.mkdir()
+    xs = pa.concat_arrays([x, x])
+    pq.write_table(pa.table({"sample_id": [3, 1], "x": xs, "y": [y[0], y[0]]}), twice / "a.parquet")
+    pq.write_table(pa.table({"sample_id": [2, 3], "x": xs, "y": [y[0], y[0]]}), twice / "b.parquet")
+    negative = tmp_path / "negative"
+    negative.mkdir()
+    pq.write_table(pa.table({"sample_id": [-1], "x": x, "y": y}), negative / "a.parquet")
+    wide_rows = [*real, "model.input_dim=128", "model.output_dim=16", "data.val_path=null"]
     return [
         (["strategy.zero_stgae=2"], "strategy.zero_stgae"),
         (["strategy.zero_stage=abc"], "strategy.zero_stage"),
@@ -198,6 +218,10 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         ),
         ([*real, *flat, f"data.path={labels}"], "model.task=regression but column 'y'"),
         ([*real, *flat, f"data.path={wide}", "model.output_dim=4"], "holds 16 target value(s)"),
+        ([*wide_rows, f"data.path={fifo}"], "part-1.parquet is not a regular file"),
+        ([*wide_rows, f"data.path={no_rows}"], f"data.path={no_rows} holds no rows"),
+        ([*wide_rows, f"data.path={twice}"], "holds sample_id 3 more than once (1 repeated ids;"),
+        ([*wide_rows, f"data.path={negative}"], "holds sample_id -1: ids must be >= 0"),
         # a mistyped data path under a synthetic experiment would get data of its own
         ([f"data.path={tmp_path}/smok/train"], "synthetic data is generated only at"),
         # stragglers.*

@@ -171,3 +171,24 @@ def test_the_warm_up_starts_the_processes_the_worker_groups_reads_run_in(
     ):
         assert time.monotonic() < deadline, "the test's Ray Train controller is left"
         time.sleep(0.5)
+
+
+def test_splits_that_work_but_not_as_meant_are_warned_of(tmp_path):
+    """A training split smaller than one global batch trained smaller batches without a
+    word; a split with fewer row groups than workers leaves workers without rows."""
+    from elastic.config.schema import DataConfig
+    from elastic.data.shards import check_dataset, split_warnings
+    from elastic.datasets.synthetic import generate
+
+    generate(str(tmp_path / "train"), str(tmp_path / "val"), 48, 16, 1, 8, 1, seed=0)
+    cfg = DataConfig(
+        path=str(tmp_path / "train"), val_path=str(tmp_path / "val"), global_batch_size=64
+    )
+    warnings = split_warnings(cfg, 2, check_dataset(cfg))
+    assert len(warnings) == 3, warnings
+    assert "holds 48 rows, fewer than data.global_batch_size=64" in warnings[0]
+    assert f"data.path={tmp_path / 'train'} has 1 row group(s) for up to 2 workers" in warnings[1]
+    assert f"data.val_path={tmp_path / 'val'} has 1 row group(s)" in warnings[2]
+    assert "the others have no validation rows" in warnings[2]
+    cfg.global_batch_size = 48
+    assert len(split_warnings(cfg, 1, check_dataset(cfg))) == 0

@@ -14,15 +14,18 @@ range (row-group statistics) is read apart, for the datasets whose checks need i
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+ID_COLUMN = "sample_id"
+"""Every row's stable id, an int64 column unique across the dataset."""
 THREADS = 16
 T = TypeVar("T")
 
@@ -37,6 +40,13 @@ class Footer:
     """Rows of each row group."""
     group_bytes: tuple[int, ...]
     """Uncompressed bytes of each row group."""
+    id_ranges: tuple[tuple[int, int] | None, ...] = ()
+    """Each row group's smallest and largest ``sample_id`` from its statistics (None:
+    no statistics, or no such column)."""
+    digest: str = ""
+    """sha256 of the footer's bytes: the row groups' sizes, offsets and statistics, and
+    the key-value metadata. A shard written again with other rows or values has another
+    (a resume compares them: :func:`elastic.data.reader.data_changes`)."""
 
     @property
     def num_rows(self) -> int:
@@ -58,15 +68,43 @@ _schemas: dict[bytes, pa.Schema] = {}
 
 def _read(path: str) -> Footer:
     try:
-        meta = pq.read_metadata(path)
-    except (pa.ArrowException, OSError) as e:
+        raw = _footer_bytes(path)
+        meta = pq.read_metadata(pa.BufferReader(raw))
+    except (pa.ArrowException, OSError, ValueError) as e:
         raise FooterError(path, e) from None
     schema = meta.schema.to_arrow_schema()
     schema = _schemas.setdefault(schema.serialize().to_pybytes(), schema)
     groups = [meta.row_group(g) for g in range(meta.num_row_groups)]
+    ids = schema.get_field_index(ID_COLUMN)
     return Footer(
-        schema, tuple(g.num_rows for g in groups), tuple(g.total_byte_size for g in groups)
+        schema,
+        tuple(g.num_rows for g in groups),
+        tuple(g.total_byte_size for g in groups),
+        tuple(_min_max(g.column(ids).statistics) if ids >= 0 else None for g in groups),
+        hashlib.sha256(raw).hexdigest(),
     )
+
+
+def _footer_bytes(path: str) -> bytes:
+    """The file's footer as a Parquet file of its own (magic, metadata, its length,
+    magic): what ``pq.read_metadata`` reads, read once, and hashed as it is."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size < 12:
+            raise ValueError(f"{size} bytes: too short for a Parquet file")
+        f.seek(size - 8)
+        tail = f.read(8)
+        length = int.from_bytes(tail[:4], "little")
+        if tail[4:] != b"PAR1" or length > size - 12:
+            raise ValueError("no Parquet footer at the end of the file")
+        f.seek(size - 8 - length)
+        return b"PAR1" + f.read(length) + tail
+
+
+def _min_max(stats: Any) -> tuple[int, int] | None:
+    if stats is None or not stats.has_min_max:
+        return None
+    return int(stats.min), int(stats.max)
 
 
 def file_key(path: str) -> tuple[str, int, int, int]:

@@ -12,16 +12,15 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from elastic.config.schema import DataConfig
-from elastic.data.footers import FooterError, footers
+from elastic.data.footers import ID_COLUMN, Footer, FooterError, file_key, footers
 from elastic.errors import ConfigError, exception_chain
-
-ID_COLUMN = "sample_id"
 
 
 def list_shards(path: str, key: str = "data.path") -> list[str]:
@@ -30,11 +29,17 @@ def list_shards(path: str, key: str = "data.path") -> list[str]:
         raise ConfigError(f"{key}={path} does not exist: point {key} at a directory of shards")
     if not os.path.isdir(path):
         raise ConfigError(f"{key}={path} is not a directory: point it at a directory of shards")
-    files = sorted(
-        os.path.join(path, f)
-        for f in os.listdir(path)
-        if f.endswith(".parquet") and not f.startswith(".")
-    )
+    files = []
+    for entry in os.scandir(path):
+        if not entry.name.endswith(".parquet") or entry.name.startswith("."):
+            continue
+        if not entry.is_file():  # a FIFO would block the read (and every signal) forever
+            kind = "a directory" if entry.is_dir() else "not a regular file"
+            raise ConfigError(
+                f"{entry.path} is {kind}: a split holds Parquet files only; move it out of {key}"
+            )
+        files.append(entry.path)
+    files.sort()
     if not files:
         raise ConfigError(
             f"{key}={path} holds no .parquet files: prepare the dataset there or fix the path"
@@ -211,5 +216,110 @@ def check_dataset(cfg: DataConfig) -> dict[str, Split]:
             rows += meta.num_rows
             size += sum(meta.group_bytes)
             groups.append(meta.rows)
+        if rows == 0:
+            raise ConfigError(
+                f"{key}={path} holds no rows ({len(files)} shard(s) of 0 rows): prepare the "
+                f"dataset there{' or set data.val_path=null' if split == 'val' else ''}"
+            )
+        if split == "train":
+            check_sample_ids(path, files, metas)
         checked[split] = Split(files, rows, size, tuple(groups))
     return checked
+
+
+ID_CHECK_ROWS = 50_000_000
+"""Up to this many rows, a split whose ``sample_id`` statistics cannot prove the ids
+unique has its ids read and compared (8 bytes a row; ~1 s for 10^7 here)."""
+_ids_checked: dict[tuple[Any, ...], bool] = {}
+
+
+def check_sample_ids(path: str, files: list[str], metas: list[Footer]) -> bool:
+    """``sample_id`` is unique across the split and not negative (the exactly-once
+    ledger is a bitmap indexed by it; a duplicate would be trained twice an epoch and
+    only counted): a :class:`ConfigError` naming an id and its shards otherwise.
+
+    The row groups' statistics prove it where each group's ids are a run of consecutive
+    numbers and the groups' ranges do not overlap (a split written in id order); else
+    the ids are read, up to :data:`ID_CHECK_ROWS` rows. Returns whether the ids were
+    checked (False: too many to read; the ledger counts duplicates as they are
+    trained). Once a process for the same files."""
+    key = tuple(file_key(f) for f in files)
+    if key in _ids_checked:
+        return _ids_checked[key]
+    ranges = [r for m in metas for r in m.id_ranges]
+    rows = [n for m in metas for n in m.rows]
+    known = [r for r in ranges if r is not None]
+    if known:
+        _not_negative(path, min(low for low, _ in known))
+    proven = len(known) == len(ranges) and _disjoint_runs(list(zip(known, rows, strict=True)))
+    if not proven and sum(rows) <= ID_CHECK_ROWS:
+        _duplicate_ids(path, files)
+    _ids_checked[key] = proven or sum(rows) <= ID_CHECK_ROWS
+    return _ids_checked[key]
+
+
+def _not_negative(path: str, lowest: int) -> None:
+    if lowest < 0:
+        raise ConfigError(
+            f"data.path={path} holds sample_id {lowest}: ids must be >= 0 (they index the "
+            "exactly-once bitmap); rewrite the shards with ids from 0"
+        )
+
+
+def _disjoint_runs(groups: list[tuple[tuple[int, int], int]]) -> bool:
+    """Whether every group ((low, high), rows) holds the ids low..high, each once (as
+    many ids as rows in that range), and no two groups' ranges overlap."""
+    if any(high - low + 1 != n for (low, high), n in groups if n):
+        return False
+    spans = sorted(r for r, n in groups if n)
+    return all(b[0] > a[1] for a, b in zip(spans, spans[1:], strict=False))
+
+
+def _duplicate_ids(path: str, files: list[str]) -> None:
+    """Read every shard's ids; a ConfigError naming the first id found twice, its
+    shards, or a negative id."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ids_of(f: str) -> np.ndarray:
+        return pq.read_table(f, columns=[ID_COLUMN])[ID_COLUMN].to_numpy()
+
+    with ThreadPoolExecutor(8) as pool:
+        per_file = list(pool.map(ids_of, files))
+    ids = np.concatenate(per_file) if per_file else np.zeros(0, np.int64)
+    if len(ids):
+        _not_negative(path, int(ids.min()))
+    ordered = np.sort(ids)
+    twice = ordered[1:][ordered[1:] == ordered[:-1]]
+    if len(twice):
+        where = [os.path.basename(f) for f, i in zip(files, per_file, strict=True) if twice[0] in i]
+        raise ConfigError(
+            f"data.path={path} holds sample_id {twice[0]} more than once ({len(twice)} repeated "
+            f"ids; this one in {', '.join(where)}): ids must be unique across the dataset "
+            "(every sample is trained once an epoch by its id); rewrite the shards with unique ids"
+        )
+
+
+def split_warnings(cfg: DataConfig, max_workers: int, splits: dict[str, Split]) -> list[str]:
+    """What in the splits will work, but not as a user likely means it: a training split
+    smaller than one global batch, and splits with fewer row groups than workers (a row
+    group is the unit a worker reads: see README "Bring your own dataset or model")."""
+    out = []
+    train = splits["train"]
+    if train.rows < cfg.global_batch_size:
+        out.append(
+            f"data.path={cfg.path} holds {train.rows} rows, fewer than data.global_batch_size="
+            f"{cfg.global_batch_size}: every step trains the whole epoch ({train.rows} rows)"
+        )
+    for name, key, what in (
+        ("train", "data.path", "each of them reads (and decodes) whole row groups it shares"),
+        ("val", "data.val_path", "the others have no validation rows and wait"),
+    ):
+        split = splits.get(name)
+        groups = sum(len(g) for g in split.row_groups) if split else max_workers
+        if split and groups < max_workers:
+            out.append(
+                f"{key}={os.path.dirname(split.files[0])} has {groups} row group(s) for up to "
+                f"{max_workers} workers: {what}; write more, smaller row groups "
+                "(pyarrow.parquet.write_table(..., row_group_size=ROWS))"
+            )
+    return out

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from elastic.errors import CheckpointError
+from elastic.errors import CheckpointError, exception_text
 from elastic.train.accounting import SampleLedger
 from elastic.train.integrity import (
     DEEPSPEED_GLOBALS,
@@ -52,21 +52,29 @@ def step_dir_name(step: int) -> str:
 
 
 def remove_unregistered(run_dir: str, resumed_step: int) -> list[str]:
-    """Delete checkpoint folders past the step this worker group resumed from.
+    """Clear the checkpoint folders past the step this worker group resumed from.
 
-    Ray Train resumes from the newest checkpoint it registered, so any ``step=N`` folder
-    with N beyond it was left half-written by a group that failed while saving. Ray
-    merges a later save of the same step into that folder; the failed group's extra
-    rank files would then be read as shards of the new one (a resharding restore fails
-    on them). Called on rank 0 before the group's first save."""
-    removed: list[str] = []
-    if not os.path.isdir(run_dir):
-        return removed
-    for name in os.listdir(run_dir):
-        if name.startswith("step=") and name[5:].isdigit() and int(name[5:]) > resumed_step:
-            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
-            removed.append(name)
-    return removed
+    The group resumed from the newest checkpoint it was handed, so a ``step=N`` folder
+    with N beyond it was left by a group that failed while saving (half-written), or
+    right after (complete, but never registered). Ray merges a later save of the same
+    step into that folder; the failed group's extra rank files would then be read as
+    shards of the new one (a resharding restore fails on them). A half-written folder
+    is deleted; a complete one (its manifests verify) is moved aside as
+    ``step=N.unregistered``, never deleted. Called on rank 0 before the group's first
+    save; returns the folders' names."""
+    from elastic.train.integrity import MANIFEST_RE, damage, set_aside, step_folders
+
+    cleared: list[str] = []
+    for step, name in step_folders(run_dir):
+        if step <= resumed_step:
+            continue
+        folder = os.path.join(run_dir, name)
+        if any(MANIFEST_RE.fullmatch(n) for n in os.listdir(folder)) and damage(folder) is None:
+            set_aside(folder, "unregistered")
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+        cleared.append(name)
+    return cleared
 
 
 @dataclass
@@ -181,10 +189,22 @@ def read_state(path: str) -> TrainerState:
             state.load_state_dict(json.load(f))
     except (OSError, ValueError) as e:  # a checkpoint written before manifests existed
         raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is unreadable ({e})") from None
+    except (TypeError, KeyError, AttributeError) as e:  # JSON, but not a trainer state
+        raise CheckpointError(
+            f"checkpoint {path}: {STATE_FILE} is not a trainer state ({type(e).__name__}: {e}):"
+            " resume from another checkpoint (move this one aside) or start a new run.name"
+        ) from None
     samples = os.path.join(path, SAMPLES_FILE)
     if os.path.exists(samples):
-        with open(samples, "rb") as f:
-            state.ledger.load_bitmaps(f.read())
+        try:
+            with open(samples, "rb") as f:
+                state.ledger.load_bitmaps(f.read())
+        except Exception as e:  # not the npz of two bitmaps a checkpoint writes
+            raise CheckpointError(
+                f"checkpoint {path}: {SAMPLES_FILE} is not the samples bitmap it wrote "
+                f"({type(e).__name__}: {exception_text(e, 120)}): resume from another "
+                "checkpoint (move this one aside) or start a new run.name"
+            ) from None
     return state
 
 
@@ -257,9 +277,11 @@ def restore(engine: Any, path: str, rank: int, universal: bool = False) -> str |
     if os.path.exists(rng):  # a rank that did not exist at the saved world size keeps its seed
         try:
             _load_rng(rng)
-        except ValueError as e:  # an object array: np.load refuses to unpickle it
+        except Exception as e:  # an object array (np.load refuses to unpickle it), another
+            # kind of file, or arrays that are no RNG state: the same on every retry
             raise CheckpointError(
-                f"checkpoint {path}: {os.path.basename(rng)} is not plain arrays ({e}):"
-                " refused to load it"
+                f"checkpoint {rng} is not the RNG state it wrote ({type(e).__name__}: "
+                f"{exception_text(e, 120)}): refused to load it; resume from another checkpoint"
+                " (move this one aside) or start a new run.name"
             ) from None
     return converted

@@ -19,7 +19,7 @@ from elastic.data.order import Layout
 from elastic.data.pipeline import fits_cache, warm_up
 from elastic.data.probe import probe
 from elastic.data.reader import data_changes, data_record, setting_changes
-from elastic.data.shards import Split, check_dataset
+from elastic.data.shards import Split, check_dataset, split_warnings
 from elastic.errors import CheckpointError, ConfigError, RunError
 from elastic.observe.metrics import (
     SESSION_END,
@@ -35,6 +35,7 @@ from elastic.observe.progress import DriverProgress, total_steps
 from elastic.observe.summary import Summary
 from elastic.observe.tracking import json_text
 from elastic.train.control import STATUS_WAIT_S, start_control
+from elastic.train.runlock import run_lock
 from elastic.train.trainer import interruptible
 
 
@@ -57,7 +58,10 @@ def prepare_data(cfg: TrainConfig) -> dict[str, Split]:
             syn.output_dim,
             syn.seed,
         )
-    return check_dataset(cfg.data)
+    splits = check_dataset(cfg.data)
+    for warning in split_warnings(cfg.data, cfg.scaling.max_workers, splits):
+        print(f"[elastic] warning: {warning}", flush=True)
+    return splits
 
 
 def run_dir(cfg: TrainConfig) -> str:
@@ -65,7 +69,15 @@ def run_dir(cfg: TrainConfig) -> str:
 
 
 def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
-    """Run training to the end and return the summary (the entry point writes it out)."""
+    """Run training to the end and return the summary (the entry point writes it out).
+    One start of a run at a time: the run folder's lock is held throughout."""
+    with run_lock(run_dir(cfg)) as taken_over:
+        if taken_over:
+            print(f"[elastic] warning: {taken_over}", flush=True)
+        return _train(cfg, config_dict)
+
+
+def _train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     import ray.data
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -85,11 +97,11 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     record = data_record(cfg.data, train_split.files, layout)
     # the checkpoint to resume from: intact, made for this model and this data, or the
     # run ends here
-    resume, warnings = integrity.prepare_resume(out, cfg.model)
-    for warning in warnings:
+    resume = integrity.prepare_resume(out, cfg.model)
+    for warning in resume.warnings:
         print(f"[elastic] warning: {warning}", flush=True)
-    if resume is not None:
-        check_resume_data(read_state(resume), record, cfg.data.path, resume)
+    if resume.path is not None:
+        check_resume_data(read_state(resume.path), record, cfg.data.path, resume.path)
     # the run's time counts while a session runs (time to target; the report's clock)
     append_record(out, {"event": SESSION_START, "time": time.time(), "pid": os.getpid()})
     print(f"[elastic] run {cfg.run.name}: checkpoints and metrics in {out}", flush=True)
@@ -124,6 +136,7 @@ def train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
                     train_rows=train_split.rows,
                     val_files=splits["val"].files if "val" in splits else [],
                     empty=probed.empty,
+                    resume_from=None if resume.registered else resume.path,
                     control=control,
                 )
             },

@@ -16,11 +16,12 @@ import json
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from elastic.errors import CheckpointError
+from elastic.errors import CheckpointError, exception_text
 
 DS_TAG = "model"
 MANIFEST_RE = re.compile(r"manifest-rank(\d+)\.json")
@@ -151,24 +152,38 @@ def check_model(path: str, model_cfg: Any) -> None:
         )
 
 
-def prepare_resume(run_dir: str, model_cfg: Any) -> tuple[str | None, list[str]]:
+@dataclass
+class Resume:
+    """Where a (re)started run resumes, as :func:`prepare_resume` found it."""
+
+    path: str | None
+    """The checkpoint folder (None: a new run)."""
+    registered: bool
+    """Ray Train hands it to the workers (it is the newest in its list); False: its
+    list was missing or unreadable, and the workers take ``path`` from the driver."""
+    warnings: list[str]
+
+
+def prepare_resume(run_dir: str, model_cfg: Any) -> Resume:
     """Before a run (re)starts, on the driver: the checkpoint Ray Train will hand the
     workers must be intact and fit the configured model.
 
     Ray Train resumes from the newest checkpoint in its list (``RAY_SNAPSHOT``) and
     refuses to start when a listed folder is gone. So a folder deleted by hand is dropped
     from the list; a damaged newest one is moved aside as ``step=N.damaged`` and dropped,
-    and the run resumes from the newest intact one. Returns the checkpoint the run will
-    resume from (None: a new run) and a warning per change; raises
-    :class:`CheckpointError`, changing nothing, when no listed checkpoint is intact or
-    the one to resume from does not fit. Also removes what a killed save left in the
-    staging folder (no worker of this run is alive now)."""
+    and the run resumes from the newest intact one. A list that is missing or unreadable
+    (while checkpoint folders are there) would make Ray Train start the run from step 0,
+    and its first worker group remove every checkpoint: the list is moved aside and the
+    run resumes from the newest checkpoint folder whose manifests verify
+    (:func:`_newest_verified`), handed to the workers by the driver. Raises
+    :class:`CheckpointError`, changing nothing, when no checkpoint is intact or the one
+    to resume from does not fit. Also removes what a killed save left in the staging
+    folder (no worker of this run is alive now)."""
     shutil.rmtree(os.path.join(run_dir, STAGING_DIR), ignore_errors=True)
     snapshot_path = os.path.join(run_dir, RAY_SNAPSHOT)
-    if not os.path.exists(snapshot_path):
-        return None, []
-    with open(snapshot_path) as f:
-        snapshot = json.load(f)
+    snapshot, unreadable = _read_snapshot(snapshot_path)
+    if snapshot is None:
+        return _resume_without_list(run_dir, model_cfg, unreadable)
     results = snapshot["checkpoint_results"]
     order = sorted(
         range(len(results)), key=lambda i: snapshot["checkpoint_report_indices"][i], reverse=True
@@ -195,10 +210,9 @@ def prepare_resume(run_dir: str, model_cfg: Any) -> tuple[str | None, list[str]]
         )
     warnings = []
     if resume is not None:
-        refuse_unsafe(os.path.join(run_dir, resume))
-        check_model(os.path.join(run_dir, resume), model_cfg)
+        _check_fits(os.path.join(run_dir, resume), model_cfg)
     for name, why in damaged:
-        aside = _set_aside(os.path.join(run_dir, name))
+        aside = set_aside(os.path.join(run_dir, name))
         warnings.append(
             f"checkpoint {os.path.join(run_dir, name)} is damaged ({why}): moved to {aside};"
             f" resuming from {resume}"
@@ -206,16 +220,107 @@ def prepare_resume(run_dir: str, model_cfg: Any) -> tuple[str | None, list[str]]
     warnings += [f"checkpoint {os.path.join(run_dir, n)} was deleted: dropped" for n in gone]
     if gone or damaged:
         _drop_from_snapshot(snapshot_path, snapshot, {*gone, *(n for n, _ in damaged)})
-    return (os.path.join(run_dir, resume) if resume else None), warnings
+    return Resume(os.path.join(run_dir, resume) if resume else None, True, warnings)
 
 
-def _set_aside(folder: str) -> str:
-    """Rename a damaged checkpoint out of the way (``step=N.damaged``, ``.damaged-2``...):
-    a later save of step N gets a fresh folder, and nothing is deleted."""
-    aside, n = f"{folder}.damaged", 1
+def _read_snapshot(path: str) -> tuple[dict[str, Any] | None, str | None]:
+    """Ray Train's checkpoint list, or (None, why it cannot be used; None: there is none)."""
+    import ray
+
+    try:
+        with open(path) as f:
+            snapshot = json.load(f)
+        if snapshot.get("ray_version") != ray.__version__:  # Ray Train refuses another's
+            raise ValueError(f"written by Ray {snapshot.get('ray_version')}, not {ray.__version__}")
+        names = [r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]]
+        latest = snapshot["latest_checkpoint_result"]
+        pending = [r["checkpoint_dir_name"] for r in snapshot["pending_training_results"]]
+        # what Ray Train's loader asserts, or looks up without a check
+        if len(snapshot["checkpoint_report_indices"]) != len(names) or len(pending) != len(
+            snapshot["pending_validation_specs"]
+        ):
+            raise ValueError("its lists do not pair up")
+        if not all(isinstance(n, str) for n in names):
+            raise ValueError("a checkpoint without a folder name")
+        for name in [*pending, *([latest["checkpoint_dir_name"]] if latest else [])]:
+            if name not in names:
+                raise ValueError(f"it names {name}, which is not in its list")
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f"{type(e).__name__}: {exception_text(e, 120)}"
+    return snapshot, None
+
+
+def step_folders(run_dir: str) -> list[tuple[int, str]]:
+    """(step, folder name) of every ``step=N`` folder in the run, newest first."""
+    found = []
+    for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
+        step = name.removeprefix("step=")
+        if step != name and step.isdigit() and os.path.isdir(os.path.join(run_dir, name)):
+            found.append((int(step), name))
+    return sorted(found, reverse=True)
+
+
+def _newest_verified(run_dir: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest checkpoint folder that has its manifests and verifies against them,
+    and (folder, why) of each newer one that does not."""
+    newer: list[tuple[str, str]] = []
+    for _, name in step_folders(run_dir):
+        folder = os.path.join(run_dir, name)
+        has_manifests = any(MANIFEST_RE.fullmatch(n) for n in os.listdir(folder))
+        why = damage(folder) if has_manifests else "no manifests: not known to be complete"
+        if why is None:
+            return name, newer
+        newer.append((name, why))
+    return None, newer
+
+
+def _resume_without_list(run_dir: str, model_cfg: Any, unreadable: str | None) -> Resume:
+    """No usable Ray Train list: the newest verified checkpoint folder, if any."""
+    resume, newer = _newest_verified(run_dir)
+    if resume is None and not newer:
+        if unreadable:  # nothing to resume from, nothing to lose: a fresh list
+            aside = set_aside(os.path.join(run_dir, RAY_SNAPSHOT))
+            return Resume(
+                None, True, [f"Ray Train's checkpoint list was unreadable: moved to {aside}"]
+            )
+        return Resume(None, True, [])
+    listed = f"unreadable ({unreadable})" if unreadable else "missing"
+    if resume is None:
+        found = "; ".join(f"{n}: {why}" for n, why in newer)
+        raise CheckpointError(
+            f"Ray Train's checkpoint list in {run_dir} is {listed} and no checkpoint folder "
+            f"verifies ({found}): start over with a new run.name (or delete {run_dir})"
+        )
+    _check_fits(os.path.join(run_dir, resume), model_cfg)
+    warnings = []
+    if unreadable:
+        aside = set_aside(os.path.join(run_dir, RAY_SNAPSHOT))
+        warnings.append(f"Ray Train's checkpoint list {RAY_SNAPSHOT} moved to {aside}")
+    for name, why in newer:
+        aside = set_aside(os.path.join(run_dir, name))
+        warnings.append(f"checkpoint {os.path.join(run_dir, name)} ({why}) moved to {aside}")
+    warnings.insert(
+        0,
+        f"Ray Train's checkpoint list in {run_dir} is {listed}: resuming from the newest "
+        f"checkpoint whose manifests verify, {resume} (no checkpoint is deleted)",
+    )
+    return Resume(os.path.join(run_dir, resume), False, warnings)
+
+
+def _check_fits(path: str, model_cfg: Any) -> None:
+    refuse_unsafe(path)
+    check_model(path, model_cfg)
+
+
+def set_aside(folder: str, why: str = "damaged") -> str:
+    """Rename a folder (or file) out of the way as ``NAME.why`` (``.why-2``...): a later
+    save of its step gets a fresh folder, and nothing is deleted."""
+    aside, n = f"{folder}.{why}", 1
     while os.path.exists(aside):
         n += 1
-        aside = f"{folder}.damaged-{n}"
+        aside = f"{folder}.{why}-{n}"
     os.rename(folder, aside)
     return aside
 

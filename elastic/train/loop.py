@@ -78,6 +78,9 @@ class WorkerArgs:
     :func:`~elastic.data.probe.probe`): what a rank with no rows of a step trains on."""
     val_files: list[str] = field(default_factory=list)
     """The validation split's shards (each worker reads its share: stream.val_blocks)."""
+    resume_from: str | None = None
+    """The checkpoint to resume from while Ray Train has none to hand out (its list of
+    the run's checkpoints was missing or unreadable: ``integrity.prepare_resume``)."""
     control: Any = None
     """The run's control actor (stop requests, fatal errors, progress)."""
 
@@ -98,6 +101,7 @@ def train_loop(config: dict[str, Any]) -> None:
         stack.push(_end_run_on_run_error(args.control))
         resume_from = ray.train.get_checkpoint()
         path = stack.enter_context(resume_from.as_directory()) if resume_from else None
+        path = path or args.resume_from  # Ray Train's newer one first, once it has one
         if path is not None:
             integrity.check_intact(path)
         state = ckpt.read_state(path) if path else ckpt.TrainerState()
@@ -151,7 +155,7 @@ def train_loop(config: dict[str, Any]) -> None:
             cause = "grow" if world > before else "shrink" if world < before else "failure"
             cause = "evict" if evicted else cause
             tracker.event(state.step, "restart", cause=cause, world_size=world, previous=before)
-    _note_start(state, tracker, plan, resumed=resume_from is not None, resharded=resharded)
+    _note_start(state, tracker, plan, resumed=path is not None, resharded=resharded)
     slow_bf16 = slow_bf16_warning(cfg) if rank == 0 else None  # rank 0's node, every start
     if slow_bf16 is not None:
         tracker.event(state.step, "bf16_slow_on_cpu", host=socket.gethostname(), **slow_bf16)
