@@ -162,3 +162,39 @@ def planned_digests(train_dir, data_settings: dict, steps: int) -> dict[int, int
             out[step] = ids_digest(np.array([ids[f][g][r] for f, g, r in plan.batch(s)]))
         epoch += 1
     return out
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``mount(name, size_kb, read_only=False)``: a real small filesystem of its own at
+    ``tmp_path/name`` (a full disk, a read-only run folder), unmounted at the end. Needs
+    root (CI runs as root); skipped without."""
+    import subprocess
+
+    mounted = []
+
+    def mount(name: str, size_kb: int, read_only: bool = False):
+        path = tmp_path / name
+        path.mkdir(parents=True, exist_ok=True)
+        options = f"size={size_kb}k" + (",ro" if read_only else "")
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fill(path) -> None:
+    """Fill the filesystem ``path`` is on to the last byte."""
+    with open(os.path.join(path, ".filler"), "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass

@@ -284,6 +284,37 @@ def test_a_checkpoint_list_that_cannot_be_used_falls_back_to_the_folders(
     assert _verified_steps(run_dir) == [2, 4, 6]
 
 
+def test_rewritten_data_stops_the_resume_unless_accepted(stopped_run, small_data, tmp_path, capsys):
+    """A shard written again with other values, same name and rows (or another
+    data.path with the same names): the resume took it without a word."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    run_dir = _copy(stopped_run, tmp_path, "r")
+    data = tmp_path / "data"
+    shutil.copytree(small_data, data)
+    shard = sorted((data / "train").glob("*.parquet"))[1]
+    table = pq.read_table(shard)
+    column = table.column_names.index("y")
+    y = table["y"].combine_chunks()
+    flipped = type(y).from_arrays(pc.negate(y.flatten()), y.type.list_size)
+    pq.write_table(table.set_column(column, "y", flipped), shard)
+    with pytest.raises(RunError) as e:
+        _resume(data, tmp_path, "r", "trainer.max_steps=8")
+    assert str(e.value) == (
+        f"data.path={data}/train changed since checkpoint {run_dir}/step=000000006 was "
+        f"written: shard {shard.name} holds other data than when the checkpoint was written "
+        "(same name and rows, another footer: other values, or another file); restore the "
+        "shards it was trained on to resume, to train on the data as it is now, add "
+        "checkpoint.accept_changed_data=true; or start a new run.name"
+    )
+    summary = _resume(
+        data, tmp_path, "r", "trainer.max_steps=8", "checkpoint.accept_changed_data=true"
+    )
+    assert summary["status"] == "finished" and summary["steps"] == 8
+    assert "resuming on the data as it is now" in capsys.readouterr().out
+
+
 def test_checkpoints_are_staged_under_the_run_and_stale_staging_is_removed(
     stopped_run, small_data, tmp_path
 ):

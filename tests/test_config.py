@@ -10,6 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import fill
 
 from elastic.config.compose import CONF_DIR, compose, preflight, quote_target, typed_config
 from elastic.config.schema import TrainConfig
@@ -238,15 +239,27 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
     ]
 
 
-def test_each_bad_input_fails_with_one_line_naming_key(tmp_path, capsys):
-    for extra, needle in _bad_inputs(tmp_path):
+def test_each_bad_input_fails_with_one_line_naming_key(tmp_path, capsys, tmpfs):
+    full = tmpfs("full", 256)  # a disk already full: the probe folder it made passed
+    fill(full)
+    read_only = tmpfs("runs_ro/r", 256, read_only=True)  # a run folder that takes nothing
+    storage = [
+        (["run.name=" + "x" * 300], "run.name='xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...' is"),
+        (["run.name='a\nb'"], "run.name='a\\nb' is not valid: use a plain folder name"),
+        ([f"run.storage_path={full}"], f"run.storage_path={full} is full ({full}: No space"),
+        (
+            [f"run.storage_path={read_only.parent}", "run.name=r"],
+            f"the run's folder {read_only} is not writable ({read_only}: Read-only file system)",
+        ),
+    ]
+    for extra, needle in [*_bad_inputs(tmp_path), *storage]:
         with pytest.raises(SystemExit) as exc:
             preflight(["+experiment=smoke", f"run.storage_path={tmp_path}/runs", *extra])
         err = capsys.readouterr().err.strip()
         assert exc.value.code == 2, extra
         assert err.count("\n") == 0 and err.startswith("error: "), (extra, err)
         assert needle in err, (extra, err)
-    assert not (tmp_path / "runs").exists()
+    assert not (tmp_path / "runs").exists() and os.listdir(full) == [".filler"]
 
 
 @pytest.mark.parametrize(

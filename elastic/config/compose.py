@@ -210,25 +210,43 @@ def typed_config(cfg: DictConfig, experiment: str, output_dir: str = "") -> Trai
     return typed
 
 
+STORAGE_PROBE_BYTES = 64 * 1024
+
+
 def check_storage(cfg: TrainConfig) -> None:
-    """run.storage_path must take files: found now, not as a traceback after Ray started.
-    Tried for real in the nearest folder that exists (a probe made and removed at once;
-    nothing is left behind): permission bits do not tell root, a read-only mount or /proc
-    the truth."""
+    """The run's folder must take files: found now, not as a traceback after Ray
+    started. Tried for real (a probe file written, synced and removed: nothing is left
+    behind) in the run's folder, or the nearest folder above it that exists: permission
+    bits do not tell root, a read-only mount or /proc the truth, and a full disk takes a
+    new empty folder but no data."""
+    import errno
     import tempfile
 
     path = cfg.run.storage_path
-    existing = path
+    run = os.path.join(path, cfg.run.name)
+    existing = run
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
+    what = f"the run's folder {run}" if existing == run else f"run.storage_path={path}"
     try:
         if not os.path.isdir(existing):
-            raise NotADirectoryError(20, "not a directory", existing)
-        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".elastic-write-test-"))
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", existing)
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".elastic-write-test-")
+        try:
+            os.write(fd, b"\0" * STORAGE_PROBE_BYTES)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.remove(probe)
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ConfigError(
+                f"{what} is full ({existing}: {e.strerror}): free space there, or point "
+                "run.storage_path at a filesystem with room for the checkpoints"
+            ) from None
         raise ConfigError(
-            f"run.storage_path={path} is not writable ({existing}: {e.strerror or e}): point "
-            "it at a directory you can write"
+            f"{what} is not writable ({existing}: {e.strerror or e}): point "
+            "run.storage_path at a directory you can write"
         ) from None
 
 

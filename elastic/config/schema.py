@@ -216,6 +216,11 @@ class CheckpointConfig:
     every_steps: int = 50
     """0 = only at the end."""
     keep: int = 2
+    accept_changed_data: bool = False
+    """Resume although the training data changed since the checkpoint (a resume compares
+    every shard's name, rows and footer with the checkpoint's record, and stops on a
+    change): true trains on the data as it is now. Shards added, removed or resized are
+    taken only at an epoch's end (the epoch in progress is planned on its rows)."""
 
 
 @dataclass

@@ -182,11 +182,20 @@ def validate(cfg: TrainConfig) -> None:
     _allowed("logger.kind", cfg.logger.kind, ("wandb", "none"))
     _allowed("logger.mode", cfg.logger.mode, ("auto", "online", "offline"))
     name = cfg.run.name
-    if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0"):
+    if (
+        not name.strip()
+        or name in (".", "..")
+        or any(c in name for c in "/\\")
+        or not name.isprintable()
+        or len(name.encode()) > RUN_NAME_BYTES
+    ):
         # the run's folder is storage_path/name: ".." would write (and clean stale
-        # checkpoints) in the folder that holds every other run
+        # checkpoints) in the folder that holds every other run; a newline or a name
+        # past the filesystem's 255 bytes (with a sweep's "-N") fails far later
+        shown = name if len(name) <= 40 else f"{name[:37]}..."
         raise ConfigError(
-            f"run.name={name!r} is not valid: use a plain folder name (no '/', not '.' or '..')"
+            f"run.name={shown!r} is not valid: use a plain folder name of at most "
+            f"{RUN_NAME_BYTES} bytes, printable (no newline or tab), no '/', not '.' or '..'"
         )
     _check_cluster(cfg)
     _check_stragglers(cfg)
@@ -194,6 +203,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("model is not set: choose one with model=NAME (see conf/model/)")
     cfg.model.validate()
 
+
+RUN_NAME_BYTES = 200
+"""run.name's longest: a folder name (most filesystems take 255 bytes), with room for a
+sweep's ``-N`` and the files Ray writes beside it."""
 
 LANES_PER_WORKER = 8
 """data.lanes=0: this many lanes per worker at scaling.max_workers. A lane split between

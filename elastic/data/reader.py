@@ -28,6 +28,7 @@ import numpy as np
 
 from elastic.config.schema import DataConfig
 from elastic.data.assemble import SliceAssembler
+from elastic.data.footers import footer
 from elastic.data.order import EpochPlan, Group, Layout, Split
 from elastic.data.pipeline import finisher
 from elastic.data.stream import StepBatch
@@ -64,6 +65,8 @@ def data_record(cfg: DataConfig, files: list[str], layout: Layout) -> dict[str, 
     return {
         "files": [os.path.basename(f) for f in files],
         "row_groups": [list(r) for r in layout.rows],
+        # each shard's content, as its footer states it (sizes, offsets, statistics)
+        "footers": [footer(f).digest[:16] for f in files],
         "global_batch_size": cfg.global_batch_size,
         "lanes": lanes_of(cfg),
         "window": cfg.shuffle_window_rows,
@@ -84,6 +87,12 @@ SETTING_KEYS = {
 def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
     """The first way the split in ``now`` differs from the one in ``saved`` (two
     :func:`data_record` results), in words, or None when it is the same data."""
+    return layout_changes(saved, now) or content_changes(saved, now)
+
+
+def layout_changes(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """The first shard added, removed or of other row groups (what the plan of an epoch
+    is made from), in words; None when the names and rows are as they were."""
     before = dict(zip(saved["files"], saved["row_groups"], strict=True))
     after = dict(zip(now["files"], now["row_groups"], strict=True))
     gone = [f for f in before if f not in after]
@@ -99,6 +108,24 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
                 f"group(s), {sum(groups)} in {len(groups)} when the checkpoint was written"
             )
     return None
+
+
+def content_changes(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """The first shard whose content differs (its footer: other values, or another
+    file of the same name and rows), in words; None when every footer is the same, or
+    the checkpoint predates footer digests."""
+    if "footers" not in saved:
+        return None
+    before = dict(zip(saved["files"], saved["footers"], strict=True))
+    after = dict(zip(now["files"], now["footers"], strict=True))
+    changed = [name for name, digest in before.items() if after.get(name, digest) != digest]
+    if not changed:
+        return None
+    more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+    return (
+        f"shard {changed[0]}{more} holds other data than when the checkpoint was written "
+        "(same name and rows, another footer: other values, or another file)"
+    )
 
 
 def setting_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:

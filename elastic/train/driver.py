@@ -18,7 +18,7 @@ from elastic.config.schema import TrainConfig
 from elastic.data.order import Layout
 from elastic.data.pipeline import fits_cache, warm_up
 from elastic.data.probe import probe
-from elastic.data.reader import data_changes, data_record, setting_changes
+from elastic.data.reader import content_changes, data_record, layout_changes, setting_changes
 from elastic.data.shards import Split, check_dataset, split_warnings
 from elastic.errors import CheckpointError, ConfigError, RunError
 from elastic.observe.metrics import (
@@ -101,7 +101,15 @@ def _train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     for warning in resume.warnings:
         print(f"[elastic] warning: {warning}", flush=True)
     if resume.path is not None:
-        check_resume_data(read_state(resume.path), record, cfg.data.path, resume.path)
+        changed = check_resume_data(
+            read_state(resume.path),
+            record,
+            cfg.data.path,
+            resume.path,
+            cfg.checkpoint.accept_changed_data,
+        )
+        if changed:
+            print(f"[elastic] warning: {changed}", flush=True)
     # the run's time counts while a session runs (time to target; the report's clock)
     append_record(out, {"event": SESSION_START, "time": time.time(), "pid": os.getpid()})
     print(f"[elastic] run {cfg.run.name}: checkpoints and metrics in {out}", flush=True)
@@ -201,34 +209,52 @@ def _train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     return summary.to_dict()
 
 
-def check_resume_data(state: Any, now: dict[str, Any], path: str, checkpoint: str) -> None:
+def check_resume_data(
+    state: Any, now: dict[str, Any], path: str, checkpoint: str, accept_changed: bool = False
+) -> str | None:
     """A resumed run's batches are planned on the data its checkpoint names: shards
-    added, removed or rewritten since would re-map the epoch's rows without a word, so
-    they end the run here (before Ray starts), naming the shard; so does a change of the
-    plan's settings in the middle of an epoch (at an epoch's end they may change)."""
-    name = os.path.basename(checkpoint)
+    added, removed, resized or rewritten since (compared by name, rows and footer) would
+    re-map the epoch's rows without a word, so they end the run here (before Ray
+    starts), naming the shard; so does a change of the plan's settings in the middle of
+    an epoch (at an epoch's end they may change). ``accept_changed`` (the user's
+    ``checkpoint.accept_changed_data``) takes changed shards, those that keep the plan's
+    rows anywhere, others at an epoch's end: returns the warning to print then."""
     mid_epoch = state.step != state.epoch_start_step
     if not state.data:
         if mid_epoch:
             raise CheckpointError(
-                f"checkpoint {name} was written before batches were planned from the data "
-                f"(step {state.step}, in epoch {state.epoch}): it cannot resume mid-epoch "
+                f"checkpoint {checkpoint} was written before batches were planned from the "
+                f"data (step {state.step}, in epoch {state.epoch}): it cannot resume mid-epoch "
                 "exactly; start a new run.name"
             )
-        return
-    changed = data_changes(state.data, now)
+        return None
+    warning = None
+    layout = layout_changes(state.data, now)
+    changed = layout or content_changes(state.data, now)
     if changed:
-        raise CheckpointError(
-            f"data.path={path} changed since checkpoint {name} was written: {changed}; "
-            "restore the shards it was trained on to resume, or start a new run.name"
+        if not accept_changed or (mid_epoch and layout):
+            fix = (
+                "resume from a checkpoint at an epoch's end, "
+                if accept_changed
+                else "to train on the data as it is now, add checkpoint.accept_changed_data=true; "
+            )
+            raise CheckpointError(
+                f"data.path={path} changed since checkpoint {checkpoint} was written: "
+                f"{changed}; restore the shards it was trained on to resume, {fix}or start "
+                "a new run.name"
+            )
+        warning = (
+            f"data.path={path} changed since checkpoint {checkpoint} was written ({changed}): "
+            "resuming on the data as it is now (checkpoint.accept_changed_data=true)"
         )
     settings = setting_changes(state.data, now)
     if settings and mid_epoch:
         raise CheckpointError(
-            f"checkpoint {name} is in the middle of epoch {state.epoch}, planned with other "
-            f"settings: {', '.join(settings)}; resume with the checkpoint's values (they may "
-            "change once an epoch ends)"
+            f"checkpoint {checkpoint} is in the middle of epoch {state.epoch}, planned with "
+            f"other settings: {', '.join(settings)}; resume with the checkpoint's values (they "
+            "may change once an epoch ends)"
         )
+    return warning
 
 
 def check_resources(sc: Any, nodes: list[dict[str, Any]]) -> None:
