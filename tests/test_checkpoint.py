@@ -315,6 +315,25 @@ def test_rewritten_data_stops_the_resume_unless_accepted(stopped_run, small_data
     assert "resuming on the data as it is now" in capsys.readouterr().out
 
 
+def test_a_torn_last_record_is_moved_aside_at_the_next_start(
+    stopped_run, small_data, tmp_path, capsys
+):
+    """A history whose last line a full disk cut off: every later resume trained to the
+    end, then failed reading it (exit 1, no summary.json)."""
+    run_dir = _copy(stopped_run, tmp_path, "r")
+    history = os.path.join(run_dir, "metrics.jsonl")
+    whole = _read(history)
+    with open(history, "a") as f:
+        f.write('{"step": 7, "train/lo')
+    summary = _resume(small_data, tmp_path, "r", "trainer.max_steps=8")
+    assert summary["status"] == "finished" and summary["steps"] == 8
+    out = capsys.readouterr().out
+    assert f"warning: {history}: 1 line(s) that are not whole records (line " in out
+    assert _read(history + ".damaged") == '{"step": 7, "train/lo\n'
+    assert _read(history).startswith(whole)  # every whole record kept, in order
+    assert all(json.loads(line) for line in _read(history).splitlines())
+
+
 def test_checkpoints_are_staged_under_the_run_and_stale_staging_is_removed(
     stopped_run, small_data, tmp_path
 ):

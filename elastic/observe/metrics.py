@@ -58,12 +58,57 @@ def parse_target(text: str) -> Target:
 
 
 def read_records(run_dir: str) -> list[dict[str, Any]]:
-    """Every record of the run's history, in the order written (all sessions)."""
+    """Every record of the run's history, in the order written (all sessions). A line
+    that is not a record (cut off by a full disk or a kill) is left out here; the next
+    start of the run moves it aside and says so (:func:`repair_records`)."""
     path = os.path.join(run_dir, HISTORY_FILE)
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    with open(path, "rb") as f:
+        records = [_record(line) for line in f if line.strip()]
+    return [r for r in records if r is not None]
+
+
+def _record(line: bytes) -> dict[str, Any] | None:
+    try:
+        found = json.loads(line)
+    except ValueError:  # a torn line, or bytes that are no UTF-8 JSON
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def repair_records(run_dir: str) -> str | None:
+    """Before a run (re)starts: a history whose lines are not all records (its last one
+    cut off when the disk filled, or a kill in the middle of a write; the next record
+    would be appended to the torn one) gets those lines moved to ``metrics.jsonl.damaged``
+    and the rest kept as written. Returns the warning to print, None when the history is
+    whole."""
+    path = os.path.join(run_dir, HISTORY_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    bad = [
+        i
+        for i, line in enumerate(lines)
+        if line.strip() and (_record(line) is None or not line.endswith(b"\n"))
+    ]
+    if not bad:
+        return None
+    with open(path + ".damaged", "ab") as f:
+        f.writelines(lines[i].rstrip(b"\n") + b"\n" for i in bad)
+    tmp = path + ".tmp"
+    skip = set(bad)
+    with open(tmp, "wb") as f:
+        f.writelines(line for i, line in enumerate(lines) if i not in skip)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    where = ", ".join(str(i + 1) for i in bad[:5]) + (" ..." if len(bad) > 5 else "")
+    return (
+        f"{path}: {len(bad)} line(s) that are not whole records (line {where}: cut off, e.g. "
+        f"by a full disk) moved to {HISTORY_FILE}.damaged; the other records are kept"
+    )
 
 
 def append_record(run_dir: str, record: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ from elastic.observe.metrics import (
     append_record,
     parse_target,
     read_records,
+    repair_records,
     run_seconds,
     sessions,
     time_to_target,
@@ -110,6 +111,9 @@ def _train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
         )
         if changed:
             print(f"[elastic] warning: {changed}", flush=True)
+    repaired = repair_records(out)  # before a record is appended to a torn line
+    if repaired:
+        print(f"[elastic] warning: {repaired}", flush=True)
     # the run's time counts while a session runs (time to target; the report's clock)
     append_record(out, {"event": SESSION_START, "time": time.time(), "pid": os.getpid()})
     print(f"[elastic] run {cfg.run.name}: checkpoints and metrics in {out}", flush=True)
