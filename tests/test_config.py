@@ -160,6 +160,16 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
     negative.mkdir()
     pq.write_table(pa.table({"sample_id": [-1], "x": x, "y": y}), negative / "a.parquet")
     wide_rows = [*real, "model.input_dim=128", "model.output_dim=16", "data.val_path=null"]
+    # labels out of range in shards written without statistics: found only by the loss in
+    # every worker, retried (176 s; in the validation split 275 s, no final checkpoint)
+    unstated = tmp_path / "unstated"
+    unstated.mkdir()
+    labelled = pa.table({"sample_id": [0, 1], "x": pa.concat_arrays([x, x]), "y": [0, 9]})
+    pq.write_table(labelled, unstated / "part-0.parquet", write_statistics=False)
+    fine = tmp_path / "fine"
+    fine.mkdir()
+    pq.write_table(labelled.set_column(2, "y", pa.array([0, 1])), fine / "part-0.parquet")
+    classes = [*real, "model.input_dim=128", "model.task=classification", "model.output_dim=5"]
     return [
         (["strategy.zero_stgae=2"], "strategy.zero_stgae"),
         (["strategy.zero_stage=abc"], "strategy.zero_stage"),
@@ -220,6 +230,14 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([*real, *flat, f"data.path={labels}"], "model.task=regression but column 'y'"),
         ([*real, *flat, f"data.path={wide}", "model.output_dim=4"], "holds 16 target value(s)"),
         ([*wide_rows, f"data.path={fifo}"], "part-1.parquet is not a regular file"),
+        (
+            [*classes, f"data.path={unstated}", "data.val_path=null"],
+            "holds class labels 0..9 but model.output_dim=5",
+        ),
+        (
+            [*classes, f"data.path={fine}", f"data.val_path={unstated}"],
+            "holds class labels 0..9 but model.output_dim=5",
+        ),
         ([*wide_rows, f"data.path={no_rows}"], f"data.path={no_rows} holds no rows"),
         ([*wide_rows, f"data.path={twice}"], "holds sample_id 3 more than once (1 repeated ids;"),
         ([*wide_rows, f"data.path={negative}"], "holds sample_id -1: ids must be >= 0"),

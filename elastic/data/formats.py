@@ -180,12 +180,28 @@ class DataFormat:
 
 
 def _integer_range(files: list[str], column: str) -> tuple[int | None, int | None]:
-    """Smallest and largest value of an integer column, from the row-group statistics
-    (None when a shard has none: then unchecked, rather than reading every row)."""
+    """Smallest and largest value of an integer column, from the row-group statistics;
+    a shard without them has the column read, while the shards read so stay within
+    :data:`~elastic.data.shards.CHECK_READ_ROWS` rows (else None, None: unchecked here;
+    the workers check every step's labels)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from elastic.data.footers import footer
+    from elastic.data.shards import CHECK_READ_ROWS
+
     low = high = None
-    for found in integer_ranges(files, column):
+    budget = CHECK_READ_ROWS
+    for f, found in zip(files, integer_ranges(files, column), strict=True):
         if found is None:
-            return None, None
+            budget -= footer(f).num_rows
+            if budget < 0:
+                return None, None
+            read = pc.min_max(pq.read_table(f, columns=[column])[column])
+            smallest, largest = read["min"].as_py(), read["max"].as_py()
+            if smallest is None or largest is None:
+                continue  # no rows (or only nulls): nothing to compare
+            found = (smallest, largest)
         low = found[0] if low is None else min(low, found[0])
         high = found[1] if high is None else max(high, found[1])
     return low, high

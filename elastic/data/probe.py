@@ -162,25 +162,24 @@ def _check_declared(fmt: DataFormat, cfg: TrainConfig, x: np.ndarray, y: np.ndar
 
 
 def _check_targets(cfg: TrainConfig, y: np.ndarray, ids: np.ndarray, who: str) -> None:
-    """The rows' targets against the task: class labels within the model's classes."""
-    task, model = cfg.model.task, cfg.model
-    if task == "classification":
-        if y.ndim != 1:
-            raise ConfigError(
-                f"{who} returns targets of shape {shape_text(y.shape[1:])} a row, but "
-                "task=classification takes one class label a row (y of shape [rows])"
-            )
-        labels, classes = y, model.output_dim
-    elif task == "multitask":
-        labels, classes = y.reshape(len(y), -1)[:, 0], model.classes
-    else:
-        return
-    bad = ~np.isin(labels, np.arange(classes))
-    if bad.any():
+    """The rows' targets against the task: one class label a row, within the model's
+    classes."""
+    from elastic.models.losses import bad_labels, label_range
+
+    model = cfg.model
+    if model.task == "classification" and y.ndim != 1:
         raise ConfigError(
-            f"{who} returns class label {labels[bad][0]!r} for sample_id {ids[bad][0]} in "
-            f"data.path={cfg.data.path}, but model={model.name} has classes 0.."
-            f"{classes - 1}: fix the labels or model.output_dim"
+            f"{who} returns targets of shape {shape_text(y.shape[1:])} a row, but "
+            "task=classification takes one class label a row (y of shape [rows])"
+        )
+    bad = bad_labels(model.task, y, model.output_dim, getattr(model, "classes", 0))
+    if bad.any():
+        label = y.reshape(len(y), -1)[bad, 0][0]
+        raise ConfigError(
+            f"{who} returns class label {label!r} for sample_id {ids[bad][0]} in "
+            f"data.path={cfg.data.path}, but model={model.name} has "
+            f"{label_range(model.task, model.output_dim, getattr(model, 'classes', 0))}: fix "
+            "the labels or model.output_dim"
         )
 
 

@@ -227,9 +227,10 @@ def check_dataset(cfg: DataConfig) -> dict[str, Split]:
     return checked
 
 
-ID_CHECK_ROWS = 50_000_000
-"""Up to this many rows, a split whose ``sample_id`` statistics cannot prove the ids
-unique has its ids read and compared (8 bytes a row; ~1 s for 10^7 here)."""
+CHECK_READ_ROWS = 50_000_000
+"""Up to this many rows, a column whose row-group statistics cannot prove what a check
+needs is read (a split's ``sample_id`` to be unique, class labels to be in range:
+8 bytes a row; ~1 s for 10^7 here)."""
 _ids_checked: dict[tuple[Any, ...], bool] = {}
 
 
@@ -240,7 +241,7 @@ def check_sample_ids(path: str, files: list[str], metas: list[Footer]) -> bool:
 
     The row groups' statistics prove it where each group's ids are a run of consecutive
     numbers and the groups' ranges do not overlap (a split written in id order); else
-    the ids are read, up to :data:`ID_CHECK_ROWS` rows. Returns whether the ids were
+    the ids are read, up to :data:`CHECK_READ_ROWS` rows. Returns whether the ids were
     checked (False: too many to read; the ledger counts duplicates as they are
     trained). Once a process for the same files."""
     key = tuple(file_key(f) for f in files)
@@ -252,9 +253,9 @@ def check_sample_ids(path: str, files: list[str], metas: list[Footer]) -> bool:
     if known:
         _not_negative(path, min(low for low, _ in known))
     proven = len(known) == len(ranges) and _disjoint_runs(list(zip(known, rows, strict=True)))
-    if not proven and sum(rows) <= ID_CHECK_ROWS:
+    if not proven and sum(rows) <= CHECK_READ_ROWS:
         _duplicate_ids(path, files)
-    _ids_checked[key] = proven or sum(rows) <= ID_CHECK_ROWS
+    _ids_checked[key] = proven or sum(rows) <= CHECK_READ_ROWS
     return _ids_checked[key]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -11,6 +12,28 @@ are class logits, the other ``output_dim - classes`` regress r_1..r_k (loss: cro
 entropy + mean squared error; metrics: accuracy and R^2). vae: the model reconstructs its
 input of 0/1 values (the target column is not used): it returns [reconstruction logits,
 mu, log variance]; loss: binary cross entropy + beta x KL, both per input value."""
+
+
+def bad_labels(task: str, target: np.ndarray, output_dim: int, classes: int = 0) -> np.ndarray:
+    """Which rows' class labels the task cannot use (the loss would raise, or index past
+    the model's outputs): not an integer in 0..classes-1. A bool mask over the rows (all
+    False for tasks without labels)."""
+    if task == "classification":
+        labels, n = target.reshape(len(target), -1)[:, 0], output_dim
+    elif task == "multitask":
+        labels, n = target.reshape(len(target), -1)[:, 0], classes
+    else:
+        return np.zeros(len(target), bool)
+    bad = (labels < 0) | (labels >= n)
+    if labels.dtype.kind == "f":
+        bad |= labels != np.floor(labels)  # nan too
+    return bad
+
+
+def label_range(task: str, output_dim: int, classes: int = 0) -> str:
+    """The labels ``task`` takes, in words."""
+    n = output_dim if task == "classification" else classes
+    return f"classes 0..{n - 1}"
 
 
 def vae_terms(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, ...]:

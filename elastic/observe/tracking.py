@@ -40,7 +40,14 @@ def json_text(obj: Any, indent: int | None = None) -> str:
 FLUSH_S = 1.0
 # events worth a W&B alert: the job lost or regained workers, was stopped, a rank is
 # slowing every step down, or bf16 runs emulated on a CPU without bf16 instructions
-ALERTS = ("restart", "preempted", "node_drain", "straggler", "bf16_slow_on_cpu")
+ALERTS = (
+    "restart",
+    "preempted",
+    "node_drain",
+    "straggler",
+    "bf16_slow_on_cpu",
+    "val_rows_left_out",
+)
 
 
 def wandb_key_configured() -> bool:

@@ -29,17 +29,17 @@ from elastic.data.formats import data_format
 from elastic.data.ids import ids_digest
 from elastic.data.order import Layout, slice_sizes
 from elastic.data.reader import PlannedReader, epoch_plan
-from elastic.data.shards import damaged_shard
+from elastic.data.shards import damaged_shard, locate_samples
 from elastic.data.stream import StepBatch, StepStream, val_blocks
-from elastic.errors import find_run_error, run_error, user_code
-from elastic.models.losses import MetricSums, per_sample_loss
+from elastic.errors import DataError, find_run_error, run_error, user_code
+from elastic.models.losses import MetricSums, bad_labels, label_range, per_sample_loss
 from elastic.observe.summary import WorkerSummary
 from elastic.observe.tracking import NullTracker, make_tracker
 from elastic.train import checkpoint as ckpt
 from elastic.train import integrity
 from elastic.train.batch import BatchPlan
 from elastic.train.control import StopPoller, SyncPace, node_drain_probe, wait_for_eviction
-from elastic.train.divergence import Divergence
+from elastic.train.divergence import NAMED_ROWS, Divergence
 from elastic.train.engine import (
     build_engine,
     init_distributed,
@@ -176,7 +176,8 @@ def train_loop(config: dict[str, Any]) -> None:
     except Exception as e:
         found = find_run_error(e)
         message = found[1] if found else damaged_shard(e, [cfg.data.path, cfg.data.val_path])
-        if found and found[0] == "DataError":  # a bad row: say which dataset it is in
+        named = found and any(p and p in found[1] for p in (cfg.data.path, cfg.data.val_path))
+        if found and found[0] == "DataError" and not named:  # a bad row: say which dataset
             message = f"{message} (data.path={cfg.data.path})"
         if message is not None and control is not None:
             # a bad row (or a diverged step) fails again on every retry: the driver ends
@@ -525,6 +526,7 @@ class _Trainer:
         with user_code(f"data.format={d.format}'s augment()", "fix the format's augment()"):
             inputs = self.format.augment(batch.x, batch.sample_id, self.state.epoch, d)
         x = torch.from_numpy(inputs).to(self.device, self.dtype)
+        self._check_labels(batch.y, batch.sample_id, d.path)
         y = x if self.task == "vae" else torch.from_numpy(batch.y).to(self.device)
         # Weight per-sample losses so the gradient is the mean over the step's rows on all
         # workers, even when a worker has fewer rows (end of epoch): DeepSpeed divides by
@@ -568,6 +570,26 @@ class _Trainer:
         self._interval[0] += self._step_loss_sum
         self._interval[1] += batch.rows
         self._interval[2] += 1
+
+    def _check_labels(self, target: np.ndarray, sample_id: np.ndarray, path: str) -> None:
+        """Class labels the model has no output for (shards without statistics are not
+        checked before Ray starts): the same rows fail every retry, so a DataError."""
+        output_dim = getattr(self.cfg.model, "output_dim", 1)
+        bad = bad_labels(self.task, target, output_dim, self.classes)
+        if not bad.any():
+            return
+        ids = sample_id[bad][:NAMED_ROWS]
+        labels = target.reshape(len(target), -1)[bad, 0][:NAMED_ROWS]
+        files = locate_samples(path, ids)
+        where = ", ".join(
+            f"{label:g} (sample_id {i}, {files.get(int(i), '?')})"
+            for label, i in zip(labels, ids, strict=True)
+        )
+        raise DataError(
+            f"class labels outside model={self.cfg.model.name}'s "
+            f"{label_range(self.task, output_dim, self.classes)} in {path}: {where}; fix those "
+            "rows or model.output_dim"
+        )
 
     def _losses(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return per_sample_loss(self.task, output, target, self.classes, self.beta)
@@ -739,18 +761,37 @@ class _Trainer:
             lambda rows: self._all_reduce_step(rows)[0],
             empty=self.empty,
         )
+        # rows the metrics cannot count, by why: labels the model has no output for
+        # (shards without statistics are not checked before Ray), a loss of nan/inf
+        left_out: dict[str, list[int]] = {"labels": [], "not_finite": []}
+        output_dim = getattr(self.cfg.model, "output_dim", 1)
         with torch.no_grad():
             for batch in stream:
-                x = torch.from_numpy(batch.x).to(self.device, self.dtype)
-                y = x if self.task == "vae" else torch.from_numpy(batch.y).to(self.device)
+                ids, xs, ys = batch.sample_id, batch.x, batch.y
+                bad = bad_labels(self.task, ys, output_dim, self.classes)
+                if bad.any():
+                    left_out["labels"] += ids[bad].tolist()
+                    ids, xs, ys = ids[~bad], xs[~bad], ys[~bad]
+                x = torch.from_numpy(xs).to(self.device, self.dtype)
+                y = x if self.task == "vae" else torch.from_numpy(ys).to(self.device)
                 out = self.engine(x).float()
                 losses = self._losses(out, y)
+                finite = torch.isfinite(losses)
+                if not bool(finite.all()):
+                    left_out["not_finite"] += ids[~finite.cpu().numpy()].tolist()
+                    out, y, losses = out[finite], y[finite], losses[finite]
                 sums.add(out.cpu(), y.cpu(), losses.cpu())
         self.engine.train()
-        totals = sums.sums.to(self._collective_device)
+        counts = [float(len(ids)) for ids in left_out.values()]
+        totals = torch.cat([sums.sums, torch.tensor(counts, dtype=torch.float64)])
+        totals = totals.to(self._collective_device)
         dist.all_reduce(totals)
-        sums.sums = totals.cpu()
+        sums.sums = totals[: -len(counts)].cpu()
         metrics = sums.metrics()
+        left = dict(zip(left_out, (int(c) for c in totals[-len(counts) :].tolist()), strict=True))
+        if any(left.values()):
+            metrics["rows_left_out"] = sum(left.values())
+            self._name_left_out(left_out, left)
         self.tracker.log(
             self.state.step,
             {f"val/{k}": v for k, v in metrics.items()},
@@ -758,6 +799,35 @@ class _Trainer:
             + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()),
         )
         return metrics
+
+    def _name_left_out(self, mine: dict[str, list[int]], counts: dict[str, int]) -> None:
+        """Collective: the validation rows left out of the metrics (``counts`` by why,
+        over all ranks), named by rank 0 in an event (a console line, a W&B alert)."""
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, {k: v[:NAMED_ROWS] for k, v in mine.items()})
+        if self.rank != 0:
+            return
+        path = self.cfg.data.val_path or ""
+        output_dim = getattr(self.cfg.model, "output_dim", 1)
+        why = {
+            "labels": f"class labels outside {label_range(self.task, output_dim, self.classes)}",
+            "not_finite": "a loss that is not finite (nan/inf in the row)",
+        }
+        parts = []
+        for reason, count in counts.items():
+            if not count:
+                continue
+            ids = sorted({i for part in gathered for i in part[reason]})[:NAMED_ROWS]
+            files = locate_samples(path, np.array(ids))
+            named = ", ".join(f"{i} ({files.get(i, '?')})" for i in ids)
+            parts.append(f"{count} with {why[reason]}: sample_id {named}")
+        self.tracker.event(
+            self.state.step,
+            "val_rows_left_out",
+            rows=sum(counts.values()),
+            detail=f"validation rows in {path} left out of the metrics, {'; '.join(parts)}: "
+            "fix those rows",
+        )
 
     def _exactly_once(self) -> bool:
         """From the ledger the surviving checkpoints carry: every closed epoch trained
