@@ -455,3 +455,48 @@ def test_restore_loads_plain_files_and_never_runs_a_planted_payload(stage, tmp_p
         else:
             assert "refused to load it" in result.get("error", ""), (case, result)
             assert "\n" not in result["error"]
+
+
+def test_a_disk_that_fills_up_during_a_run_ends_it_in_one_line_keeping_the_checkpoint(
+    small_data, tmp_path, tmpfs
+):
+    """The run's filesystem fills while it trains (a real tmpfs, filled to the last
+    byte after its first checkpoint): each worker group failed the same way, retried
+    (214 s, 11 W&B offline folders). Now one line, no retry, the checkpoint intact."""
+    import threading
+    import time
+
+    from conftest import fill
+
+    storage = tmpfs("storage", 16 * 1024)
+    run_dir = storage / "full"
+
+    def fill_after_a_checkpoint() -> None:
+        deadline = time.time() + 300
+        while not integrity.registered_steps(str(run_dir)) and time.time() < deadline:
+            time.sleep(0.2)
+        fill(storage)
+
+    filler = threading.Thread(target=fill_after_a_checkpoint, daemon=True)
+    filler.start()
+    overrides = small_overrides(
+        small_data,
+        storage,
+        *COMMON,
+        "run.name=full",
+        "trainer.max_steps=0",
+        "trainer.max_epochs=100",
+        "scaling.max_failures=3",
+    )
+    with pytest.raises(RunError) as e:
+        train(overrides)
+    filler.join()
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("the run's storage is full ("), message
+    assert "it resumes from the last complete checkpoint, which is kept" in message
+    kept = integrity.registered_steps(str(run_dir))
+    assert kept and all(
+        integrity.damage(str(run_dir / ckpt.step_dir_name(s))) is None for s in kept
+    )
+    # one worker group: not retried (a torn last record, if any, is left out)
+    assert len([r for r in read_events(str(run_dir)) if r["event"] == "world_size"]) == 1

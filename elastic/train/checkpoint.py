@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from elastic.errors import CheckpointError, exception_text
+from elastic.errors import CheckpointError, StorageFullError, exception_text
 from elastic.train.accounting import SampleLedger
 from elastic.train.integrity import (
     DEEPSPEED_GLOBALS,
@@ -177,8 +177,46 @@ def save(engine: Any, state: TrainerState, rank: int, metrics: dict[str, Any]) -
             checkpoint=ray.train.Checkpoint.from_directory(tmp),
             checkpoint_dir_name=step_dir_name(state.step),
         )
+    except Exception as e:
+        # before the staged files go: their bytes are what filled the disk
+        full = storage_full(e, tmp, f"writing the checkpoint of step {state.step}")
+        if full:
+            raise StorageFullError(full) from e
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+FULL_BYTES = 16 * 2**20
+"""A filesystem with less free than this after a failed write is taken to be full
+(torch.save says only "file write failed")."""
+
+
+def storage_full(exc: BaseException, path: str, doing: str, wrote: bool = True) -> str | None:
+    """One line when ``exc`` (raised while ``doing`` into ``path``) is the filesystem
+    being full: an ENOSPC/EDQUOT anywhere in its chain, or, where ``exc`` is known to
+    come from writing there (``wrote``), less than :data:`FULL_BYTES` left. A retry
+    would fill it again: the run stops; the last complete checkpoint is kept."""
+    import errno
+
+    from elastic.errors import exception_chain
+
+    chain = list(exception_chain(exc))
+    full = any(
+        isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain
+    ) or any("No space left on device" in str(e) for e in chain)
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        free = None
+    if not full and not (wrote and free is not None and free < FULL_BYTES):
+        return None
+    left = f"{free / 2**20:.1f} MiB free" if free is not None else "no space left"
+    return (
+        f"the run's storage is full ({left} at {path}, {doing}): free space (or move the run "
+        "folder where there is room and point run.storage_path there), then run the same "
+        "command: it resumes from the last complete checkpoint, which is kept"
+    )
 
 
 def read_state(path: str) -> TrainerState:

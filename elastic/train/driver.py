@@ -192,7 +192,10 @@ def _train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
                 result = trainer.fit()
         finally:
             display.close()
-            append_record(out, {"event": SESSION_END, "time": time.time()})
+            try:
+                append_record(out, {"event": SESSION_END, "time": time.time()})
+            except OSError as e:  # a full disk: what ended the run says so, not this
+                print(f"[elastic] warning: the session's end not recorded ({e})", flush=True)
     metrics = result.metrics or {}
     records = read_records(out)
     events = [r for r in records if "event" in r]

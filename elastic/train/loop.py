@@ -175,7 +175,12 @@ def train_loop(config: dict[str, Any]) -> None:
         val = {} if trainer.stop_reason == "preempted" else trainer.validate(args.val_files)
     except Exception as e:
         found = find_run_error(e)
-        message = found[1] if found else damaged_shard(e, [cfg.data.path, cfg.data.val_path])
+        message = (
+            found[1]
+            if found
+            else ckpt.storage_full(e, args.run_dir, "writing the run's records", wrote=False)
+            or damaged_shard(e, [cfg.data.path, cfg.data.val_path])
+        )
         named = found and any(p and p in found[1] for p in (cfg.data.path, cfg.data.val_path))
         if found and found[0] == "DataError" and not named:  # a bad row: say which dataset
             message = f"{message} (data.path={cfg.data.path})"
