@@ -149,6 +149,7 @@ def _catches(pid: int, signum: int) -> bool:
     "signum,moment",
     [
         (signal.SIGTERM, "started"),  # composing the config, before the data and Ray
+        (signal.SIGHUP, "started"),  # a closed terminal: it killed the driver (exit 129)
         (signal.SIGUSR1, "[elastic] dataset:"),  # Ray starting
         # inside ray.init(), where Ray's own SIGTERM handler (sys.exit) is in place
         (signal.SIGTERM, "gcs_server"),
@@ -182,3 +183,27 @@ def test_a_stop_signal_during_start_up_exits_75_and_leaves_nothing_running(
     assert "Traceback" not in run.out
     assert run.left_running() == []
     assert not glob.glob(f"/tmp/elastic-ray-{run.proc.pid}"), "the cluster's files are left"
+
+
+def test_a_closed_terminal_checkpoints_exits_75_and_leaves_nothing_running(small_data, tmp_path):
+    """SIGHUP to the run's process group, as a terminal (or ssh session) that closes
+    sends it: it killed the driver at once (exit 129), no checkpoint, its Ray left
+    running. Now the run checkpoints where it is and ends with 75, as on SIGTERM."""
+    args = small_overrides(
+        small_data,
+        tmp_path / "runs",
+        "run.name=hangup",
+        "logger=none",
+        "trainer.max_steps=100000",
+        "trainer.max_epochs=0",
+        "checkpoint.every_steps=100000",
+    )
+    run = Session(_cli(args, tmp_path))
+    run.wait_for(lambda: "[elastic] step 5" in run.out)
+    os.killpg(run.proc.pid, signal.SIGHUP)
+    assert run.finish() == 75, run.out
+    assert "[elastic] SIGHUP: checkpointing now, then stopping" in run.out
+    summary = json.loads(Path(run.out.split("[elastic] summary: ")[1].split()[0]).read_text())
+    assert summary["status"] == "preempted" and summary["steps"] >= 5
+    assert os.path.basename(summary["checkpoint"]) == f"step={summary['steps']:09d}"
+    assert run.left_running() == []

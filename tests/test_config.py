@@ -213,6 +213,7 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         # a run folder outside run.storage_path (stale-checkpoint clean-up runs there)
         (["run.name=.."], "run.name='..' is not valid"),
         (["cluster.num_cpus=0"], "cluster.num_cpus=0 cannot run"),
+        (["cluster.address=headnode"], "cluster.address='headnode' is not valid: use HOST:PORT"),
         (["cluster.object_store_memory_mb=1"], "cluster.object_store_memory_mb=1"),
         (["run.storage_path=/proc/x"], "run.storage_path=/proc/x is not writable"),
         (["run.storage_path=/dev/null/x"], "run.storage_path=/dev/null/x is not writable"),
@@ -434,3 +435,27 @@ def test_a_formats_settings_reach_the_run_as_set(tmp_path):
     typed = pickle.loads(pickle.dumps(typed_config(cfg, name)))  # as a worker gets it
     settings = data_format("image").settings_of(typed.data)
     assert (settings.size, settings.channels, settings.augment_shift) == (20, 3, 1)
+
+
+def test_a_head_that_does_not_answer_ends_the_run_in_one_line(tmp_path):
+    """An unreachable cluster.address: Ray retried for more than 4 minutes, no word."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch/run.py"),
+            "+experiment=smoke",
+            f"run.storage_path={tmp_path}/runs",
+            "cluster.address=127.0.0.1:9",  # nothing listens on the discard port
+            "cluster.connect_timeout_s=2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: cluster.address=127.0.0.1:9: nothing answers there (Connection refused) after "
+        "2 s: check the head's address and that its Ray runs (a batch job's is in "
+        "jobs/JOBID/), or raise cluster.connect_timeout_s"
+    ]

@@ -129,6 +129,17 @@ def test_a_worker_no_node_can_hold_fails_at_once(small_data, tmp_path):
         train(overrides)
 
 
+def test_a_strict_placement_the_nodes_cannot_give_fails_at_once(small_data, tmp_path):
+    """STRICT_SPREAD with fewer nodes than workers: retried 182 times in 16.5 minutes."""
+    overrides = small_overrides(small_data, tmp_path, "scaling.placement_strategy=STRICT_SPREAD")
+    with pytest.raises(ConfigError) as e:
+        train(overrides)
+    assert str(e.value).startswith(
+        "scaling.placement_strategy=STRICT_SPREAD puts each worker on a node of its own, but "
+        "the cluster's nodes hold 1 of scaling.min_workers=2 (1 node(s): 4 CPU): use SPREAD"
+    ), str(e.value)
+
+
 def test_summary_is_strict_json_with_non_finite_values(tmp_path):
     from elastic.train.driver import write_summary
 

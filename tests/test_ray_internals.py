@@ -29,6 +29,9 @@ def test_the_private_ray_apis_exist_in_the_installed_ray():
     coordinator = ray_internals.autoscaling_coordinator()
     assert isinstance(coordinator._AutoscalingCoordinatorActor.TICK_INTERVAL_S, (int, float))
     ray_internals.reload_auth_token()  # callable outside a session
+    base, up, starting = ray_internals.controller_callback()
+    assert callable(getattr(base, "after_controller_state_update", None))
+    assert len(up) == 3 and len(starting) == 4
     policy = ray_internals.elastic_scaling_policy()
     assert callable(getattr(policy, "_count_possible_workers", None))
     for path in ray_internals.IMPORTED:

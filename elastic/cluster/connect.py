@@ -29,7 +29,9 @@ WORKER_ENV = {
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
 }
 LOOPBACK = "127.0.0.1"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+"""A batch system's warning (SIGTERM, SIGUSR1) and a closed terminal or ssh session
+(SIGHUP, whose default would kill the driver at once and leave its Ray behind)."""
 PREEMPTED = 75  # exit code after a stop signal (EX_TEMPFAIL): the same command resumes
 
 
@@ -136,6 +138,8 @@ def connect(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[str]:
     for key in ("ELASTIC_PLUGINS", "PYTHONPATH"):
         if os.environ.get(key):
             env[key] = os.environ[key]
+    if cluster.address:  # a stop signal ends this wait (Ray's start defers it)
+        wait_for_head(cluster.address, cluster.connect_timeout_s)
     with contextlib.ExitStack() as stack:
         try:
             with _signals_deferred():
@@ -157,6 +161,35 @@ def connect(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[str]:
                 ray.shutdown()
 
 
+def wait_for_head(address: str, timeout_s: float) -> None:
+    """Until the head at ``address`` (``HOST:PORT``) takes a TCP connection, at most
+    ``timeout_s``: then a ConfigError naming it (``ray.init`` would retry for minutes
+    without a word)."""
+    import socket
+    import time
+
+    from elastic.config.validate import host_port
+    from elastic.errors import ConfigError
+
+    found = host_port(address)
+    if found is None:
+        return  # the config check refuses it; nothing to probe
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(found, timeout=min(5.0, timeout_s)).close()
+            return
+        except OSError as e:
+            why = e.strerror or str(e) or type(e).__name__
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"cluster.address={address}: nothing answers there ({why}) after "
+                    f"{timeout_s:g} s: check the head's address and that its Ray runs (a "
+                    "batch job's is in jobs/JOBID/), or raise cluster.connect_timeout_s"
+                ) from None
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
 def _start_embedded(
     cluster: ClusterConfig, scaling: ScalingConfig, env: dict[str, str], temp_dir: str
 ) -> None:
@@ -170,11 +203,16 @@ def _start_embedded(
     interface = _loopback_interface()
     if interface:
         env["GLOO_SOCKET_IFNAME"] = interface  # gloo's pair sockets: loopback too
-    # Ctrl-C in a terminal signals the whole foreground process group, and the
-    # embedded cluster's processes are our children in it: they would die before
-    # Ray Train could stop the run gracefully. They inherit an ignored SIGINT.
+    # Ctrl-C in a terminal, and the terminal's hang-up, signal the whole foreground
+    # process group, and the embedded cluster's processes are our children in it: they
+    # would die before Ray Train could stop the run gracefully. They inherit ignored
+    # SIGINT and SIGHUP.
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+    previous = (
+        {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGHUP)}
+        if main_thread
+        else {}
+    )
     # Ray turns a loopback node address into the machine's external one, except where it
     # believes it can only run alone (macOS, Windows): so it binds every server there.
     clusters = constants.ENABLE_RAY_CLUSTER
@@ -194,8 +232,8 @@ def _start_embedded(
         )
     finally:
         constants.ENABLE_RAY_CLUSTER = clusters
-        if main_thread:
-            signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _loopback_interface() -> str | None:

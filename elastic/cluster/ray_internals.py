@@ -37,6 +37,14 @@ IMPORTED = (
     "ray.train.v2._internal.constants:get_env_vars_to_propagate",
     "ray.train.v2._internal.constants:DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE",
     "ray._common.constants:RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR",
+    "ray.train.v2._internal.execution.callback:ControllerCallback",
+    "ray.train.v2._internal.execution.controller.state:RunningState",
+    "ray.train.v2._internal.execution.controller.state:ResizingState",
+    "ray.train.v2._internal.execution.controller.state:PreemptingState",
+    "ray.train.v2._internal.execution.controller.state:InitializingState",
+    "ray.train.v2._internal.execution.controller.state:SchedulingState",
+    "ray.train.v2._internal.execution.controller.state:RestartingState",
+    "ray.train.v2._internal.execution.controller.state:ReschedulingState",
     DATASETS_CALLBACK,
     PG_CLEANER_CALLBACK,
 )
@@ -64,6 +72,26 @@ def preemption_watcher() -> tuple[type, type, str]:
     from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
 
     return PreemptionCallback, PreemptionWatcher, ENABLE_PREEMPTION_WATCHER_ENV_VAR
+
+
+def controller_callback() -> tuple[type, tuple[str, ...], tuple[str, ...]]:
+    """Ray Train's controller callback base (a ``ControllerCallback`` passed among the
+    trainer's default callbacks runs in the controller actor; its
+    ``after_controller_state_update(previous, current)`` hears every state change); the
+    names of the states in which a worker group is up (training, being resized, or
+    waiting out a node drain's grace period), and of those in which one is being
+    started (the first time, or again after a failure)."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback
+    from ray.train.v2._internal.execution.controller import state
+
+    up = (state.RunningState, state.ResizingState, state.PreemptingState)
+    starting = (
+        state.InitializingState,
+        state.SchedulingState,
+        state.RestartingState,
+        state.ReschedulingState,
+    )
+    return ControllerCallback, tuple(c.__name__ for c in up), tuple(c.__name__ for c in starting)
 
 
 def turn_off_train_drain_watcher() -> None:

@@ -140,6 +140,11 @@ class ScalingConfig:
     start_timeout_s: float = 5.0
     """Give up on starting a worker group after this long and retry at the size the
     cluster now holds (Ray default 60: a dead node's workers are waited for that long)."""
+    placement_timeout_s: float = 600.0
+    """End the run (one line, naming what the nodes offer) when no worker group has been
+    up for this long while one is being started: nodes gone below scaling.min_workers,
+    or a placement the cluster cannot give (Ray Train would retry forever). 0 = wait
+    as long as it takes (for nodes that are yet to join)."""
     health_check_interval_s: float = 1.0
     """Controller polls of the workers (Ray default 2)."""
     worker_health_check_timeout_s: float = 60.0
@@ -246,7 +251,11 @@ class LoggerConfig:
 @dataclass
 class ClusterConfig:
     address: str = ""
-    """Empty: start an embedded local Ray cluster. Else the head's explicit address."""
+    """Empty: start an embedded local Ray cluster. Else the head's explicit address
+    (``host:port`` of its GCS, as the bootstrap exports it)."""
+    connect_timeout_s: float = 60.0
+    """How long an explicit ``address`` may take to answer before the run ends, in one
+    line (Ray itself retries for minutes without a word)."""
     num_cpus: int | None = None
     """CPUs for the embedded cluster (null = all of this machine's)."""
     object_store_memory_mb: int = 512

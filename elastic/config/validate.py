@@ -138,6 +138,7 @@ def validate(cfg: TrainConfig) -> None:
     _allowed("scaling.placement_strategy", sc.placement_strategy, PLACEMENT_STRATEGIES)
     if sc.max_failures < -1:
         raise ConfigError(f"scaling.max_failures={sc.max_failures}: use -1 (no limit) or >= 0")
+    _positive("scaling.placement_timeout_s", sc.placement_timeout_s, allow_zero=True)
     for key in (
         "resize_interval_s",
         "start_timeout_s",
@@ -268,6 +269,12 @@ def _check_cluster(cfg: TrainConfig) -> None:
             f"cluster.object_store_memory_mb={c.object_store_memory_mb} is not valid: Ray "
             f"needs at least {OBJECT_STORE_MINIMUM_MB}"
         )
+    _positive("cluster.connect_timeout_s", c.connect_timeout_s)
+    if c.address and not host_port(c.address):
+        raise ConfigError(
+            f"cluster.address={c.address!r} is not valid: use HOST:PORT of the head's GCS "
+            "(e.g. 10.0.0.1:6379), or leave it empty for an embedded local cluster"
+        )
     if c.num_cpus is None or c.address:
         return
     import math
@@ -280,6 +287,14 @@ def _check_cluster(cfg: TrainConfig) -> None:
             f"x scaling.cpus_per_worker={sc.cpus_per_worker} plus one CPU for reading data: "
             f"set cluster.num_cpus >= {needed} (or null: all of this machine's)"
         )
+
+
+def host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of ``HOST:PORT`` (``ray://`` allowed, IPv6 in brackets), else None."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host.strip("[]"), int(port)
 
 
 def _check_target(cfg: TrainConfig) -> None:

@@ -32,6 +32,10 @@ SYNC_MAX_STEPS = 32
 """At most this many steps between two agreements."""
 
 
+Status = tuple[str | None, dict[str, float] | None, list[dict[str, Any]], float | None]
+"""What :meth:`RunControl.status` tells the driver."""
+
+
 class RunControl(DrainWatching):
     """Runs as a ``num_cpus=0`` threaded Ray actor; plain methods, no Ray imports. It
     also watches node drains for the fit's worker groups (:class:`DrainWatching`).
@@ -53,6 +57,11 @@ class RunControl(DrainWatching):
         self._to_cordon: list[dict[str, Any]] = []  # not yet taken by the driver
         self._evicting = False  # the next group start follows an eviction
         self._cordoned: set[str] = set()  # node ids the driver keeps out now
+        # whether a worker group is up (Ray Train's controller says, GroupWatch), and
+        # since when none is (wall-clock seconds; None while one is up)
+        self._group_up = False
+        self._starting = True
+        self._down_since: float | None = time.time()
 
     def _tell(self) -> None:
         """News: wake every standing question (the caller holds ``_news``)."""
@@ -124,21 +133,32 @@ class RunControl(DrainWatching):
         with self._news:
             return sorted(self._cordoned)
 
-    def status(self) -> tuple[str | None, dict[str, float] | None, list[dict[str, Any]]]:
+    def controller_state(self, up: bool, starting: bool) -> None:
+        """Ray Train's controller, at each change of its state: whether a worker group
+        is up (training, resizing, or waiting out a drain's grace period), and whether
+        one is being started (first, or again after a failure; else the run ends)."""
+        with self._news:
+            if up != self._group_up or starting != self._starting:
+                if up != self._group_up:
+                    self._down_since = None if up else time.time()
+                self._group_up, self._starting = up, starting
+                self._tell()
+
+    def status(self) -> Status:
         """(a fatal error, rank 0's latest progress, the nodes to keep out since the
-        last call): the driver's last look at the end of the run."""
+        last call, since when no worker group is up and one is being started, else
+        None): the driver's look."""
         with self._news:
             taken, self._to_cordon = self._to_cordon, []
-            return self._fatal, self._progress, taken
+            starting_since = self._down_since if self._starting else None
+            return self._fatal, self._progress, taken, starting_since
 
-    def wait_status(
-        self, seen: int, timeout_s: float
-    ) -> tuple[int, str | None, dict[str, float] | None, list[dict[str, Any]]]:
+    def wait_status(self, seen: int, timeout_s: float) -> tuple[int, Status]:
         """The driver's standing question: as soon as there is news past its ``seen``
         (else after ``timeout_s``), the news count and :meth:`status`."""
         with self._news:
             self._news.wait_for(lambda: self._version > seen, timeout_s)
-            return (self._version, *self.status())
+            return self._version, self.status()
 
     def register_start(self, world_size: int) -> tuple[list[int], bool]:
         """World sizes of every worker group start of this fit(), this one last; and

@@ -9,10 +9,11 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from elastic.cluster.connect import STOP_SIGNALS
 from elastic.cluster.cordon import Cordons
 from elastic.config.schema import TrainConfig
 from elastic.data.order import Layout
@@ -188,7 +189,10 @@ def _train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
             fit = int((os.cpu_count() or 1) // max(sc.cpus_per_worker, 1e-9))
             warm_up(cfg.data, train_split.files, (f, g), max(1, min(sc.max_workers, fit, 8)))
         try:
-            with _run_control(control, trainer, display, Cordons(out, control)):
+            no_group = None
+            if sc.placement_timeout_s:
+                no_group = (sc.placement_timeout_s, lambda waited: no_group_started(sc, waited))
+            with _run_control(control, trainer, display, Cordons(out, control), no_group):
                 result = trainer.fit()
         finally:
             display.close()
@@ -266,7 +270,9 @@ def check_resume_data(
 
 def check_resources(sc: Any, nodes: list[dict[str, Any]]) -> None:
     """A worker that fits on no node would make Ray ask its autoscaler for it every 35 s,
-    forever: say so at once, with what the nodes offer (``nodes``: ``ray.nodes()``)."""
+    forever; a strict placement the nodes cannot give was retried for as long (182
+    times in 16 minutes): say so at once, with what the nodes offer (``nodes``:
+    ``ray.nodes()``)."""
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
     need = {"CPU": sc.cpus_per_worker, **({"GPU": 1.0} if sc.use_gpu else {})}
     for resource, amount in need.items():
@@ -279,6 +285,49 @@ def check_resources(sc: Any, nodes: list[dict[str, Any]]) -> None:
                 f"{key}: a worker needs {amount:g} {resource} on one node, but the cluster's "
                 f"nodes offer {offer} {resource}: {fix}, or add nodes that have it"
             )
+    per_node = [int(min(r.get(k, 0.0) // v for k, v in need.items())) for r in alive]
+    strategy, wanted = sc.placement_strategy, sc.min_workers
+    fits = {
+        "STRICT_SPREAD": sum(1 for n in per_node if n),  # a worker a node
+        "STRICT_PACK": max(per_node, default=0),  # all on one node
+    }.get(strategy, sum(per_node))
+    if fits < wanted:
+        how = {
+            "STRICT_SPREAD": "puts each worker on a node of its own",
+            "STRICT_PACK": "puts every worker on one node",
+        }.get(strategy, "places them")
+        raise ConfigError(
+            f"scaling.placement_strategy={strategy} {how}, but the cluster's nodes hold "
+            f"{fits} of scaling.min_workers={wanted} ({_offer(alive, need)}): use "
+            f"{'SPREAD' if strategy == 'STRICT_SPREAD' else 'PACK'}, lower "
+            "scaling.min_workers, or add nodes"
+        )
+
+
+def _offer(alive: list[dict[str, float]], need: dict[str, float]) -> str:
+    """What each live node offers of the resources a worker needs, in words."""
+    nodes = "; ".join(", ".join(f"{r.get(k, 0.0):g} {k}" for k in need) for r in alive)
+    return f"{len(alive)} node(s): {nodes or 'none'}"
+
+
+def no_group_started(sc: Any, waited_s: float) -> str:
+    """The line that ends a run whose worker group could not be started for
+    ``waited_s`` seconds (``scaling.placement_timeout_s``)."""
+    import ray
+
+    need = {"CPU": sc.cpus_per_worker, **({"GPU": 1.0} if sc.use_gpu else {})}
+    try:
+        alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        offer = _offer(alive, need)
+    except Exception:  # Ray going down: say what is known
+        offer = "the nodes could not be asked"
+    return (
+        f"no worker group could be started for {waited_s:.0f} s (scaling.min_workers="
+        f"{sc.min_workers}, {sc.cpus_per_worker:g} CPU{' and a GPU' if sc.use_gpu else ''} "
+        f"each, scaling.placement_strategy={sc.placement_strategy}; now {offer}): add nodes, "
+        "lower scaling.min_workers or use another placement strategy, or wait longer with "
+        "scaling.placement_timeout_s"
+    )
 
 
 def _evictions(cfg: TrainConfig) -> int:
@@ -288,13 +337,24 @@ def _evictions(cfg: TrainConfig) -> int:
 
 @contextmanager
 def _run_control(
-    control: Any, trainer: Any, display: Any = None, cordons: Cordons | None = None
+    control: Any,
+    trainer: Any,
+    display: Any = None,
+    cordons: Cordons | None = None,
+    no_group: tuple[float, Callable[[float], str]] | None = None,
 ) -> Iterator[None]:
     """The driver's side of the control actor, for the length of fit().
 
-    SIGTERM or SIGUSR1 to the driver (a batch system's warning before the end of an
-    allocation): checkpoint now and stop; the same command resumes. A second one stops at
-    once (exit 75), a SIGINT too (exit 130): the last complete checkpoint is kept.
+    SIGTERM, SIGUSR1 or SIGHUP to the driver (a batch system's warning before the end of
+    an allocation, a closed terminal): checkpoint now and stop; the same command
+    resumes. A second one stops at once (exit 75), a SIGINT too (exit 130): the last
+    complete checkpoint is kept. So does the first where no worker group is up (one is
+    being started, or started again after a failure: Ray Train would retry it as long as
+    its failures allow), or when the group that was to checkpoint fails.
+
+    ``no_group``: (seconds, message): when no worker group has been up for that long
+    while one is being started (a placement that cannot succeed: nodes gone, a strict
+    placement strategy), the run ends with the message's line for the time waited.
 
     The main thread sits in Ray's blocking ``ray.get`` for all of fit(), where Python
     signal handlers do not run until it returns, i.e. at the end of training. So the
@@ -319,33 +379,56 @@ def _run_control(
     wake_r, wake_w = socket.socketpair()
     wake_w.setblocking(False)
 
+    aborted: list[float] = []  # when the run was aborted
+
     def abort(interrupt: BaseException | None) -> None:
+        if aborted:
+            return
+        aborted.append(time.monotonic())
         if interrupt is not None:
             type(trainer).interrupted = interrupt  # fit() raises it
         if trainer.controller is not None:
             trainer.controller.abort.remote()
 
     def relay() -> None:
-        stopping = False
+        stop: int | None = None  # the stop signal being acted on
+        starting_since: float | None = None  # no worker group up, one being started
         pending, seen = None, 0  # the standing question to the control actor
         while not done.is_set():
             if select.select([wake_r], [], [], TICK_S)[0]:
                 for signum in wake_r.recv(64):
                     if signum == signal.SIGINT:
                         abort(KeyboardInterrupt())
-                    elif signum in STOP_SIGNALS and stopping:
+                    elif signum in STOP_SIGNALS and (stop is not None or starting_since):
+                        # a second one; or no worker group is up, so nothing newer than
+                        # the last checkpoint exists to save: stop now
                         abort(Stopped(signum))
                     elif signum in STOP_SIGNALS:
-                        stopping = True
+                        stop = signum
                         name = signal.Signals(signum).name
                         print(f"[elastic] {name}: checkpointing now, then stopping", flush=True)
                         control.request_stop.remote(name)
+            if aborted:
+                # Ray Train's controller takes an abort between its loop's steps; while
+                # it retries a group's start it has none (each attempt blocks its event
+                # loop): past a grace period it is ended, and its workers with it
+                if time.monotonic() - aborted[0] > ABORT_GRACE_S and trainer.controller:
+                    with contextlib.suppress(Exception):
+                        ray.kill(trainer.controller)
+                    return
+                continue
+            if starting_since:
+                if stop is not None:  # the group that was to checkpoint failed: a new
+                    abort(Stopped(stop))  # one would only start from the same checkpoint
+                elif no_group is not None and time.time() - starting_since > no_group[0]:
+                    found.append(no_group[1](time.time() - starting_since))
+                    abort(None)
             try:
                 if pending is None:
                     pending = control.wait_status.remote(seen, STATUS_WAIT_S)
                 if not ray.wait([pending], timeout=0)[0]:
                     continue  # no news yet: a local look, no call
-                seen, message, progress, evictions = ray.get(pending)
+                seen, (message, progress, evictions, starting_since) = ray.get(pending)
                 pending = None
             except Exception:  # the run is ending; fit() reports what happened
                 return
@@ -356,7 +439,6 @@ def _run_control(
             if message:
                 found.append(message)
                 abort(None)
-                return
 
     previous: dict[int, Any] = {}
     old_fd = None
@@ -395,7 +477,9 @@ def _run_control(
         raise RunError(found[0])
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+ABORT_GRACE_S = 10.0
+"""How long an aborted run's Ray Train controller has to end its worker group before
+the driver ends the controller (and, with it, the group)."""
 TICK_S = 0.25  # how often the relay looks for an answer from the control actor (no call)
 
 

@@ -51,6 +51,8 @@ def interruptible(trainer_cls: type, control: Any = None) -> type:
         def _create_default_callbacks(self) -> list[Any]:
             Trainer.drain_watcher = _drain_watcher(control)
             callbacks = [*super()._create_default_callbacks(), Trainer.drain_watcher]
+            if control is not None:
+                callbacks.append(_controller_watch(control))
             unused = set()
             if not self.datasets:
                 # Ray Train starts a DatasetManager actor for every worker group, also
@@ -204,6 +206,29 @@ def _drain_watcher(control: Any = None) -> Any:
                     self._stop_watcher()
 
     return RunDrainCallback()
+
+
+def _controller_watch(control: Any) -> Any:
+    """A controller callback (it runs in Ray Train's controller actor) that tells the
+    run's ``control`` actor each change of the controller's state that matters to the
+    driver: whether a worker group is up, and whether one is being started. The driver
+    ends a stop or a start that cannot succeed from it (``driver._run_control``)."""
+    from elastic.cluster import ray_internals
+
+    base, up_states, starting_states = ray_internals.controller_callback()
+
+    class ControllerWatch(base):  # type: ignore[valid-type,misc]
+        def __init__(self) -> None:
+            self.told: tuple[bool, bool] | None = None
+
+        def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
+            name = type(current_state).__name__
+            now = (name in up_states, name in starting_states)
+            if now != self.told:
+                self.told = now
+                control.controller_state.remote(*now)
+
+    return ControllerWatch()
 
 
 def _cordon_aware_policy(scaling_config: Any, control: Any) -> Any:
