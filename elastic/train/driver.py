@@ -119,7 +119,7 @@ def _train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     append_record(out, {"event": SESSION_START, "time": time.time(), "pid": os.getpid()})
     print(f"[elastic] run {cfg.run.name}: checkpoints and metrics in {out}", flush=True)
     rows = ", ".join(f"{s.rows} {name} rows" for name, s in splits.items())
-    print(f"[elastic] dataset: {rows}")
+    print(f"[elastic] dataset: {rows} (data.path={cfg.data.path})")
     sc = cfg.scaling
     cache_train = fits_cache(cfg.data, train_split)
     if cache_train:
