@@ -25,23 +25,43 @@ def test_a_stop_answers_rank_0s_standing_question_at_once():
 
 def test_the_driver_hears_each_piece_of_news_at_once_and_each_eviction_once():
     control = RunControl()
-    seen, fatal, progress, taken = control.wait_status(0, 0.05)
+    seen, (fatal, progress, taken, starting_since) = control.wait_status(0, 0.05)
     assert (seen, fatal, progress, taken) == (0, None, None, [])
+    assert starting_since is not None  # no worker group up yet, the first being started
     answers: list[tuple] = []
     asker = threading.Thread(target=lambda: answers.append(control.wait_status(seen, 60.0)))
     asker.start()
     time.sleep(0.2)
     control.evict({"node_id": "n1", "cooldown_s": 30})
     asker.join(timeout=10)
-    seen, fatal, progress, taken = answers[0]
+    seen, (fatal, progress, taken, _) = answers[0]
     assert seen == 1 and fatal is None and taken == [{"node_id": "n1", "cooldown_s": 30}]
     control.progress(step=40, epoch=1, loss=0.5, world=2, samples_per_s=100.0)
-    seen, _, progress, taken = control.wait_status(seen, 60.0)
+    seen, (_, progress, taken, _) = control.wait_status(seen, 60.0)
     assert seen == 2 and progress is not None and progress["step"] == 40
     assert taken == [], "an eviction handed to the driver twice"
     control.fail("bad row 7 in shard-00003.parquet")
-    assert control.wait_status(seen, 60.0)[:2] == (3, "bad row 7 in shard-00003.parquet")
+    seen, status = control.wait_status(seen, 60.0)
+    assert (seen, status[0]) == (3, "bad row 7 in shard-00003.parquet")
     assert control.wait_status(3, 0.05)[0] == 3  # nothing new: the count stays
+
+
+def test_the_driver_hears_whether_a_worker_group_is_up_or_being_started():
+    """Ray Train's controller (its callback) tells each change: a group up, none up
+    while one is started (since when: the driver ends a stop or a placement there),
+    none up because the run is ending."""
+    control = RunControl()
+    control.controller_state(True, False)
+    seen, status = control.wait_status(0, 60.0)
+    assert status[3] is None
+    before = time.time()
+    control.controller_state(False, True)  # the group failed: started again
+    seen, status = control.wait_status(seen, 60.0)
+    assert status[3] is not None and status[3] >= before
+    control.controller_state(False, True)  # the same state again: no news
+    assert control.wait_status(seen, 0.05)[0] == seen
+    control.controller_state(False, False)  # shutting down: nothing being started
+    assert control.wait_status(seen, 60.0)[1][3] is None
 
 
 def test_rank_0_learns_of_a_stop_without_asking_again(ray_session):

@@ -95,6 +95,7 @@ def test_nan_rows_stop_the_run_at_their_step_and_keep_the_good_checkpoints(
             json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
 
 
+@pytest.mark.slow
 def test_nan_rows_in_the_validation_split_are_left_out_and_named(small_data, tmp_path):
     """NaN rows in the validation split gave a "finished" run with null validation
     metrics and no row named."""
