@@ -41,6 +41,13 @@ class UserCodeError(RunError):
     ends at once with one line naming the function, the exception and the fix."""
 
 
+class ClusterUnavailableError(RunError):
+    """The cluster cannot hold a worker group now (nodes gone below
+    ``scaling.min_workers``, for longer than ``scaling.placement_timeout_s``): not a
+    mistake to fix but a state to wait out; the entry point ends with exit 75 (the same
+    command resumes, e.g. a requeued batch job on new nodes)."""
+
+
 class StorageFullError(RunError):
     """The run's storage has no room left (a checkpoint, a record): a retry would fill it
     again. The last complete checkpoint is kept."""
@@ -53,6 +60,7 @@ RUN_ERRORS = (
     "DivergedError",
     "UserCodeError",
     "StorageFullError",
+    "ClusterUnavailableError",
     "RunError",
 )
 
@@ -83,17 +91,28 @@ _RUNS_ON = ("numpy", "torch", "pyarrow", "ray", "pandas", "deepspeed")
 
 @contextmanager
 def user_code(what: str, fix: str) -> Iterator[None]:
-    """Run a plugin's code (``what``: e.g. "format 'frames' decoder"): any exception it
+    """Run a plugin's code (``what``: e.g. "format 'frames' decoder"): an exception it
     raises becomes a :class:`UserCodeError`, one line naming ``what``, the exception, its
-    place and the ``fix``. A :class:`RunError` it raises on purpose goes on as it is."""
+    place and the ``fix``. A :class:`RunError` it raises on purpose goes on as it is, and
+    so does a :func:`transient` one (out of memory, an I/O error: retried as before)."""
     try:
         yield
     except RunError:
         raise
     except Exception as e:
+        if transient(e):
+            raise
         raise UserCodeError(
             f"{what} raised {type(e).__name__}: {exception_text(e)} ({user_code_site(e)}): {fix}"
         ) from e
+
+
+def transient(e: BaseException) -> bool:
+    """Whether ``e`` may well not happen again on a retry, wherever it was raised: the
+    machine's state, not the code (memory, I/O, Ray's own errors)."""
+    if isinstance(e, (MemoryError, OSError)) or "OutOfMemory" in type(e).__name__:
+        return True
+    return type(e).__module__.startswith("ray.")
 
 
 def exception_text(e: BaseException, limit: int = 300) -> str:

@@ -33,7 +33,13 @@ with exit_on_stop():
         register_schemas,
         typed_config,
     )
-    from elastic.errors import ConfigError, DataError, RunError, UserCodeError
+    from elastic.errors import (
+        ClusterUnavailableError,
+        ConfigError,
+        DataError,
+        RunError,
+        UserCodeError,
+    )
 
     try:
         register_schemas()  # with the plugins' models: a plugin that fails to import is said here
@@ -59,6 +65,9 @@ def main(cfg: DictConfig) -> None:
         summary = train(typed, plain(cfg))
     except ConfigError as e:  # found once Ray is up: what the cluster's nodes offer
         fail(str(e))
+    except ClusterUnavailableError as e:  # nodes gone: wait it out, then the same command
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(PREEMPTED)
     except RunError as e:
         # a bad row found on the driver (a worker's message names the dataset itself)
         where = f"data.path={typed.data.path}; " if isinstance(e, DataError) else ""

@@ -257,31 +257,56 @@ def test_a_lost_checkpoint_list_resumes_from_the_newest_verified_checkpoint(
     assert integrity.registered_steps(run_dir) == [8]
 
 
-@pytest.mark.parametrize("how", ["missing", "names a missing folder", "another Ray"])
+@pytest.mark.parametrize("how", ["missing", "names a missing folder", "not an object"])
 def test_a_checkpoint_list_that_cannot_be_used_falls_back_to_the_folders(
     stopped_run, tmp_path, how
 ):
+    from elastic.models.mlp import MLPConfig
+
     run_dir = _copy(stopped_run, tmp_path, "r")
     path = os.path.join(run_dir, integrity.RAY_SNAPSHOT)
+    with open(path) as f:
+        snapshot = json.load(f)
+    snapshot["latest_checkpoint_result"]["checkpoint_dir_name"] = "step=000000099"
     if how == "missing":
         os.remove(path)
     else:
-        with open(path) as f:
-            snapshot = json.load(f)
-        if how == "another Ray":
-            snapshot["ray_version"] = "2.9.0"
-        else:
-            snapshot["latest_checkpoint_result"]["checkpoint_dir_name"] = "step=000000099"
         with open(path, "w") as f:
-            json.dump(snapshot, f)
-    from elastic.models.mlp import MLPConfig
-
-    resume = integrity.prepare_resume(
-        run_dir, MLPConfig(input_dim=32, output_dim=4, hidden_dims=[64, 64])
-    )
+            json.dump(None if how == "not an object" else snapshot, f)
+    model = MLPConfig(input_dim=32, output_dim=4, hidden_dims=[64, 64])
+    resume = integrity.prepare_resume(run_dir, model)
     assert resume.path == os.path.join(run_dir, "step=000000006") and not resume.registered
     assert "resuming from the newest checkpoint whose manifests verify" in resume.warnings[0]
     assert _verified_steps(run_dir) == [2, 4, 6]
+
+
+def test_a_run_killed_in_its_first_save_starts_afresh_keeping_what_it_wrote(stopped_run, tmp_path):
+    """No checkpoint list yet (Ray Train writes it at the first registration) and only a
+    half-written folder: the run starts from step 0, the folder moved aside, not deleted
+    (and not refused, which would need a new run.name)."""
+    from elastic.models.mlp import MLPConfig
+
+    run_dir = _copy(stopped_run, tmp_path, "r")
+    os.remove(os.path.join(run_dir, integrity.RAY_SNAPSHOT))
+    for step in (4, 6):
+        shutil.rmtree(os.path.join(run_dir, ckpt.step_dir_name(step)))
+    _truncate(os.path.join(run_dir, "step=000000002", "trainer_state.json"))
+    resume = integrity.prepare_resume(run_dir, MLPConfig(input_dim=32, output_dim=4))
+    assert resume.path is None and resume.registered
+    assert os.path.isdir(os.path.join(run_dir, "step=000000002.damaged"))
+    assert resume.warnings[-1] == f"no checkpoint in {run_dir} verifies: the run starts from step 0"
+
+
+def test_a_full_disk_is_told_apart_from_another_disk_full(tmp_path):
+    """ENOSPC while writing the run's own files ends the run; ENOSPC from elsewhere (a
+    node's /tmp or /dev/shm) while the run's storage has room stays a failure Ray
+    Train retries (a node's trouble, not the run's)."""
+    import errno
+
+    error = OSError(errno.ENOSPC, "No space left on device")
+    assert ckpt.storage_full(error, str(tmp_path), "saving") is not None
+    assert ckpt.storage_full(error, str(tmp_path), "training", wrote=False) is None
+    assert ckpt.storage_full(RuntimeError("gloo: connection reset"), str(tmp_path), "x") is None
 
 
 def test_rewritten_data_stops_the_resume_unless_accepted(stopped_run, small_data, tmp_path, capsys):

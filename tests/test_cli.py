@@ -207,3 +207,47 @@ def test_a_closed_terminal_checkpoints_exits_75_and_leaves_nothing_running(small
     assert summary["status"] == "preempted" and summary["steps"] >= 5
     assert os.path.basename(summary["checkpoint"]) == f"step={summary['steps']:09d}"
     assert run.left_running() == []
+
+
+def test_a_stop_signal_while_no_group_can_start_ends_the_run_at_once(
+    small_data, tmp_path, ray_session
+):
+    """SIGTERM while Ray Train retries a worker group's start (no node has room: the
+    session cluster's CPUs are held by another actor): it printed "checkpointing now"
+    and was then ignored. With no group up there is nothing newer than the last
+    checkpoint: the run ends, 75."""
+    import ray
+
+    @ray.remote(num_cpus=3)
+    class Holder:
+        def ready(self) -> bool:
+            return True
+
+    holder = Holder.remote()
+    ray.get(holder.ready.remote())
+    address = ray.get_runtime_context().gcs_address
+    args = small_overrides(small_data, tmp_path / "runs", "run.name=unplaced", "logger=none")
+    try:
+        run = Session(_cli([*args, f"cluster.address={address}"], tmp_path))
+        run.wait_for(lambda: "Attempting to start training worker group" in run.out)
+        time.sleep(3)  # its start is being retried
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.finish(timeout_s=60) == 75, run.out  # not a hang
+    finally:
+        ray.kill(holder)
+    assert "[elastic] SIGTERM: stopped; the last complete checkpoint" in run.out, run.out
+
+
+def test_a_run_started_with_nohup_keeps_ignoring_a_hang_up(small_data, tmp_path):
+    """``nohup`` ignores SIGHUP for a run meant to outlive its terminal: the entry point
+    must leave it so (acting on it would stop the run when the ssh session closes)."""
+    args = small_overrides(small_data, tmp_path / "runs", "run.name=nohup", "logger=none")
+    proc = _cli(args, tmp_path, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    run = Session(proc)
+    run.wait_for(lambda: _catches(proc.pid, signal.SIGTERM), timeout_s=60)
+    with open(f"/proc/{proc.pid}/status") as f:
+        ignored = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn"))
+    assert ignored >> (signal.SIGHUP - 1) & 1, "SIGHUP is no longer ignored"
+    assert not _catches(proc.pid, signal.SIGHUP)
+    proc.send_signal(signal.SIGTERM)
+    assert run.finish() == 75, run.out

@@ -192,3 +192,52 @@ def test_splits_that_work_but_not_as_meant_are_warned_of(tmp_path):
     assert "the others have no validation rows" in warnings[2]
     cfg.global_batch_size = 48
     assert len(split_warnings(cfg, 1, check_dataset(cfg))) == 0
+
+
+def test_a_resume_checks_the_data_by_name_rows_and_footer(tmp_path):
+    """What a resume accepts of the data it finds, against the checkpoint's record:
+    other values in a shard of the same name and rows stopped nothing before; with
+    checkpoint.accept_changed_data they are taken anywhere, a changed layout only at an
+    epoch's end; a checkpoint from before records were kept is refused mid-epoch,
+    naming its folder in full (it named only step=N)."""
+    import pyarrow.parquet as pq
+
+    from elastic.config.schema import DataConfig
+    from elastic.data.order import Layout
+    from elastic.data.reader import data_record
+    from elastic.data.shards import check_dataset
+    from elastic.datasets.synthetic import generate
+    from elastic.errors import CheckpointError
+    from elastic.train.checkpoint import TrainerState
+    from elastic.train.driver import check_resume_data
+
+    generate(str(tmp_path / "train"), None, 256, 0, 2, 4, 1, seed=0)
+    cfg = DataConfig(path=str(tmp_path / "train"), global_batch_size=32)
+
+    def record() -> dict:
+        split = check_dataset(cfg)["train"]
+        return data_record(cfg, split.files, Layout(split.row_groups))
+
+    saved = record()
+    mid, end = (
+        TrainerState(step=3, data=saved),
+        TrainerState(step=8, epoch_start_step=8, data=saved),
+    )
+    ckpt = str(tmp_path / "runs/r/step=000000003")
+    assert check_resume_data(mid, record(), cfg.path, ckpt) is None  # the same data
+    shard = sorted((tmp_path / "train").glob("*.parquet"))[1]
+    table = pq.read_table(shard)
+    pq.write_table(table.set_column(2, "y", table["y"].take(list(range(len(table)))[::-1])), shard)
+    now = record()
+    with pytest.raises(CheckpointError, match=f"shard {shard.name} holds other data"):
+        check_resume_data(mid, now, cfg.path, ckpt)
+    warning = check_resume_data(mid, now, cfg.path, ckpt, accept_changed=True)
+    assert warning is not None and "resuming on the data as it is now" in warning
+    shard.unlink()  # a shard gone: the epoch's plan changes
+    now = record()
+    with pytest.raises(CheckpointError, match="resume from a checkpoint at an epoch's end"):
+        check_resume_data(mid, now, cfg.path, ckpt, accept_changed=True)
+    assert check_resume_data(end, now, cfg.path, ckpt, accept_changed=True) is not None
+    legacy = TrainerState(step=3)  # no data record
+    with pytest.raises(CheckpointError, match=f"checkpoint {ckpt} was written before batches"):
+        check_resume_data(legacy, now, cfg.path, ckpt)

@@ -130,6 +130,7 @@ def test_a_worker_no_node_can_hold_fails_at_once(small_data, tmp_path):
         train(overrides)
 
 
+@pytest.mark.slow
 def test_a_strict_placement_the_nodes_cannot_give_fails_at_once(small_data, tmp_path):
     """STRICT_SPREAD with fewer nodes than workers: retried 182 times in 16.5 minutes."""
     overrides = small_overrides(small_data, tmp_path, "scaling.placement_strategy=STRICT_SPREAD")
@@ -139,6 +140,39 @@ def test_a_strict_placement_the_nodes_cannot_give_fails_at_once(small_data, tmp_
         "scaling.placement_strategy=STRICT_SPREAD puts each worker on a node of its own, but "
         "the cluster's nodes hold 1 of scaling.min_workers=2 (1 node(s): 4 CPU): use SPREAD"
     ), str(e.value)
+
+
+@pytest.fixture
+def cpus_held():
+    """An actor that holds all but one of the session cluster's 4 CPUs: a worker group
+    of 2 cannot be placed (Ray Train retries its start, for ever)."""
+    import ray
+
+    @ray.remote(num_cpus=3)
+    class Holder:
+        def ready(self) -> bool:
+            return True
+
+    holder = Holder.remote()
+    ray.get(holder.ready.remote())
+    yield
+    ray.kill(holder)
+
+
+@pytest.mark.slow
+def test_a_group_that_cannot_be_placed_ends_the_run_after_the_placement_timeout(
+    small_data, tmp_path, cpus_held
+):
+    """No worker group could be started (the nodes' CPUs are held): Ray Train retried it
+    for ever (182 times in 16.5 minutes); now the run ends in one line."""
+    overrides = small_overrides(
+        small_data, tmp_path, "logger=none", "scaling.placement_timeout_s=5"
+    )
+    with pytest.raises(RunError) as e:
+        train(overrides)
+    message = str(e.value)
+    assert message.startswith("no worker group could be started for "), message
+    assert "scaling.min_workers=2, 1 CPU each, scaling.placement_strategy=PACK" in message
 
 
 def test_summary_is_strict_json_with_non_finite_values(tmp_path):

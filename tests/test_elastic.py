@@ -258,33 +258,3 @@ def test_half_written_checkpoints_past_the_resume_point_are_removed(tmp_path):
     removed = remove_unregistered(str(tmp_path), resumed_step=5)
     assert sorted(removed) == [step_dir_name(10), step_dir_name(15)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", step_dir_name(5)]
-
-
-def test_a_group_that_cannot_be_placed_again_ends_on_sigterm_or_its_timeout(
-    cluster, data, tmp_path
-):
-    """The only node that can hold the worker dies: Ray Train retries the group's start
-    for ever (182 times in 16.5 minutes), and a SIGTERM meanwhile printed "checkpointing
-    now" and was ignored. Now a stop signal with no group up ends the run at once (75),
-    and so does, with one line (exit 2), a wait past scaling.placement_timeout_s."""
-    c = cluster(1)
-    overrides = _overrides(data, "scaling.workers=1", "scaling.cpus_per_worker=3")
-    for name, timeout_s in (("sigterm", 600), ("timeout", 30)):
-        if not c.nodes:
-            c.add_node()
-        run = Run(
-            tmp_path, name, [*overrides, f"scaling.placement_timeout_s={timeout_s}"], c.address
-        )
-        run.wait_checkpoint()
-        c.remove_node(c.nodes[0])  # the head (2 CPUs) cannot hold a 3-CPU worker
-        if name == "sigterm":
-            time.sleep(6)  # the group is gone, its start is being retried
-            run.signal(signal.SIGTERM)
-            assert run.finish(timeout=60) == 75, run.output()[-5000:]  # not a hang
-            assert "[elastic] SIGTERM: stopped; the last complete checkpoint" in run.output()
-        else:
-            assert run.finish(timeout=150) == 2, run.output()[-5000:]
-            last = run.output().strip().splitlines()[-1]
-            assert last.startswith("error: no worker group could be started for "), last
-            assert "scaling.min_workers=1, 3 CPU each, scaling.placement_strategy=PACK" in last
-        assert run.registered_steps(), "the checkpoint is kept"

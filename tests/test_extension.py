@@ -136,6 +136,11 @@ MISTAKES = {
         [("return nn.Sequential(*layers)", "return nn.Sequential(*layer)")],
         "model=spectrum_cnn's build() raised NameError",
     ),
+    # a model without a forward pass (nn.Module's raises NotImplementedError)
+    "forward": (
+        [("return nn.Sequential(*layers)", "return nn.Module()")],
+        "model=spectrum_cnn cannot take the decoded inputs: its forward pass on 4 rows",
+    ),
     # labels as the task cannot use them: a class the model does not have
     "labels": (
         [('"y": batch[target_column].to_numpy(),', '"y": batch[target_column].to_numpy() + 3,')],
@@ -144,7 +149,13 @@ MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+FAST = ("decoder", "import", "shape")  # the fast tier's; the others run in the full suite
+
+
+@pytest.mark.parametrize(
+    "mistake",
+    [m if m in FAST else pytest.param(m, marks=pytest.mark.slow) for m in sorted(MISTAKES)],
+)
 def test_a_mistake_in_a_plugins_code_is_one_line_before_ray_starts(tmp_path, mistake):
     """Errors raised in a plugin's own code, or shapes it gets wrong, end the run with
     one line naming the function, its file and line where it raised, exit 2, before
@@ -194,3 +205,24 @@ def test_a_decoder_that_fails_on_a_later_row_ends_the_run_at_once(tmp_path):
     with open(tmp_path / "runs/spectra/metrics.jsonl") as f:
         events = [r["event"] for r in map(json.loads, f) if "event" in r]
     assert events.count("world_size") == 1 and "restart" not in events, events
+
+
+def test_an_error_in_a_plugins_code_is_named_and_a_passing_one_goes_on():
+    """What becomes a UserCodeError (never retried): an exception the code raises,
+    named with the function, the exception, the plugin's file:line and the fix. What
+    goes on as it was (retried by Ray Train as before): the machine's trouble, memory
+    or I/O, which need not happen again; and a RunError the code raised on purpose."""
+    from elastic.errors import DataError, UserCodeError, user_code
+
+    def decode() -> None:
+        raise KeyError("spectrum")
+
+    with pytest.raises(UserCodeError) as e, user_code("data.format=x's decoder (decode)", "fix it"):
+        decode()
+    assert str(e.value).startswith(
+        "data.format=x's decoder (decode) raised KeyError: 'spectrum' (test_extension.py:"
+    )
+    assert str(e.value).endswith("): fix it")
+    for transient in (MemoryError(), OSError(5, "Input/output error"), DataError("row 7")):
+        with pytest.raises(type(transient)), user_code("x", "y"):
+            raise transient

@@ -87,3 +87,15 @@ def test_the_trainer_keeps_no_dataset_manager_process_for_datasets_it_has_none_o
     before = alive()
     assert managers("none") - before == set()
     assert managers("given", rows=ray.data.range(8)) - before, "none with datasets given"
+
+
+@pytest.mark.slow
+def test_a_placement_group_left_pending_by_an_ended_controller_is_removed(ray_session):
+    """Ray Train's controller, ended while its group's start waited for resources, left
+    the group's placement group pending: it took the resources once they came free."""
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    pending = placement_group([{"CPU": 64}])  # no node has them: it waits
+    assert placement_group_table(pending)["state"] == "PENDING"
+    assert ray_internals.remove_job_placement_groups() >= 1
+    assert placement_group_table(pending)["state"] == "REMOVED"

@@ -48,6 +48,29 @@ def test_run_time_counts_sessions_not_the_queue_between_them():
     assert run_seconds(sessions(records), 1060.0) == 160.0
     assert time_to_target(records, parse_target("val/accuracy>=0.9")) == 130.0
     assert time_to_target(records, parse_target("val/accuracy>=0.99")) is None
+    # a validation that left rows out (their loss not finite) is not the split's metric:
+    # it does not meet a target
+    records[4]["val/rows_left_out"] = 3
+    assert time_to_target(records, parse_target("val/accuracy>=0.9")) == 160.0
+
+
+def test_a_history_cut_off_is_repaired_at_the_next_start_keeping_every_record(tmp_path):
+    """A last line cut off (a full disk) is moved to metrics.jsonl.damaged; a whole last
+    record that only lost its newline is kept and ended; a line of garbage in the middle
+    is moved too, named by its number."""
+    from elastic.observe.metrics import repair_records
+
+    history = tmp_path / "metrics.jsonl"
+    history.write_text('{"step": 1}\n{"step": 2}')
+    assert repair_records(str(tmp_path)) is None
+    assert [r["step"] for r in read_records(str(tmp_path))] == [1, 2]
+    assert history.read_text() == '{"step": 1}\n{"step": 2}\n'
+    history.write_text('{"step": 1}\n\x00\x00garbage\n{"step": 3}\n{"step": 4, "lo')
+    warning = repair_records(str(tmp_path))
+    assert warning is not None and "2 line(s) that are not whole records (line 2, 4:" in warning
+    assert history.read_text() == '{"step": 1}\n{"step": 3}\n'
+    assert (tmp_path / "metrics.jsonl.damaged").read_text() == '\x00\x00garbage\n{"step": 4, "lo\n'
+    assert repair_records(str(tmp_path)) is None  # whole now: nothing more to say
 
 
 def test_progress_bar_on_a_terminal_shows_step_eta_world_and_loss():

@@ -51,17 +51,40 @@ _deferring = 0
 
 
 def _on_stop_signal(signum: int, _frame: Any) -> None:
+    if signum == signal.SIGHUP:
+        off_the_terminal()
     if _deferring:
         _pending.append(signum)
         return
     raise Stopped(signum)
 
 
+def stop_signals() -> tuple[int, ...]:
+    """The stop signals this process acts on: SIGHUP only where it is not ignored (a run
+    started with ``nohup`` goes on when its terminal closes)."""
+    ignored = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    return tuple(s for s in STOP_SIGNALS if not (s == signal.SIGHUP and ignored))
+
+
 def handle_stop_signals() -> None:
     """From now on a stop signal raises :class:`Stopped` (the default action would kill
     the process and leave its Ray cluster's processes running)."""
-    for s in STOP_SIGNALS:
+    for s in stop_signals():
         signal.signal(s, _on_stop_signal)
+
+
+def off_the_terminal() -> None:
+    """After a hang-up: standard output and error that went to the closed terminal go
+    to /dev/null instead (a write there fails, and would end what is stopping the run
+    cleanly; the run's records are in its files)."""
+    devnull = None
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            if os.isatty(fd):
+                devnull = devnull if devnull is not None else os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, fd)
+    if devnull is not None:
+        os.close(devnull)
 
 
 @contextmanager
@@ -72,12 +95,13 @@ def exit_on_stop() -> Iterator[None]:
     except Stopped as e:
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)  # stopping already: a repeat changes nothing
-        print(
-            f"[elastic] {e}: stopped; the last complete checkpoint (if any) is kept: run the "
-            "same command (same run.name) to resume",
-            file=sys.stderr,
-            flush=True,
-        )
+        with contextlib.suppress(OSError):  # a terminal gone
+            print(
+                f"[elastic] {e}: stopped; the last complete checkpoint (if any) is kept: run "
+                "the same command (same run.name) to resume",
+                file=sys.stderr,
+                flush=True,
+            )
         sys.exit(PREEMPTED)
 
 

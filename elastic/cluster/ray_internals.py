@@ -38,6 +38,7 @@ IMPORTED = (
     "ray.train.v2._internal.constants:DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE",
     "ray._common.constants:RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR",
     "ray.train.v2._internal.execution.callback:ControllerCallback",
+    "ray.util.placement_group:PlacementGroup",
     "ray.train.v2._internal.execution.controller.state:RunningState",
     "ray.train.v2._internal.execution.controller.state:ResizingState",
     "ray.train.v2._internal.execution.controller.state:PreemptingState",
@@ -92,6 +93,24 @@ def controller_callback() -> tuple[type, tuple[str, ...], tuple[str, ...]]:
         state.ReschedulingState,
     )
     return ControllerCallback, tuple(c.__name__ for c in up), tuple(c.__name__ for c in starting)
+
+
+def remove_job_placement_groups() -> int:
+    """Remove every placement group of this driver's job that is still pending or
+    created; returns how many. Ray Train's controller, ended while a worker group's start
+    waited for resources, can leave its group's placement group pending, and it then
+    takes the resources when they come free (another run's, on a shared cluster). A
+    placement group's id ends with its job's id."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, placement_group_table
+
+    job = ray.get_runtime_context().get_job_id()
+    removed = 0
+    for pg_id, info in placement_group_table().items():
+        if pg_id.endswith(job) and info.get("state") in ("PENDING", "CREATED", "RESCHEDULING"):
+            ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+            removed += 1
+    return removed
 
 
 def turn_off_train_drain_watcher() -> None:

@@ -62,7 +62,7 @@ class FooterError(Exception):
 
 
 _cache: dict[tuple[str, int, int, int], Footer] = {}
-_ranges: dict[tuple[str, int, int, int, str], tuple[int, int] | None] = {}
+_ranges: dict[tuple[Any, ...], tuple[int, int] | None] = {}
 _schemas: dict[bytes, pa.Schema] = {}
 
 
@@ -76,6 +76,8 @@ def _read(path: str) -> Footer:
     schema = _schemas.setdefault(schema.serialize().to_pybytes(), schema)
     groups = [meta.row_group(g) for g in range(meta.num_row_groups)]
     ids = schema.get_field_index(ID_COLUMN)
+    if ids >= 0 and not pa.types.is_integer(schema.field(ids).type):
+        ids = -1  # no integer ids to range (the dataset check refuses the shard)
     return Footer(
         schema,
         tuple(g.num_rows for g in groups),
@@ -146,7 +148,7 @@ def integer_range(path: str, column: str) -> tuple[int, int] | None:
     return _ranges[key]
 
 
-def _each(read: Callable[[str], T], files: list[str]) -> list[T]:
+def each_file(read: Callable[[str], T], files: list[str]) -> list[T]:
     """``read`` of every file, in order, :data:`THREADS` files at a time."""
     if len(files) <= 1:
         return [read(f) for f in files]
@@ -160,10 +162,24 @@ def footers(files: list[str]) -> list[Footer]:
     others go to the threads."""
     keys = [file_key(f) for f in files]
     missing = [f for f, k in zip(files, keys, strict=True) if k not in _cache]
-    _each(footer, missing)
+    each_file(footer, missing)
     return [_cache[k] if k in _cache else footer(f) for f, k in zip(files, keys, strict=True)]
+
+
+def read_integer_range(path: str, column: str) -> tuple[int, int] | None:
+    """The smallest and largest value of integer column ``column`` in ``path``, read from
+    the column itself (for a shard without statistics), once while the file is
+    unchanged; None when it holds no value."""
+    import pyarrow.compute as pc
+
+    key = (*file_key(path), column, "read")
+    if key not in _ranges:
+        found = pc.min_max(pq.read_table(path, columns=[column])[column])
+        low, high = found["min"].as_py(), found["max"].as_py()
+        _ranges[key] = None if low is None or high is None else (int(low), int(high))
+    return _ranges[key]
 
 
 def integer_ranges(files: list[str], column: str) -> list[tuple[int, int] | None]:
     """:func:`integer_range` of every file, in order."""
-    return _each(lambda f: integer_range(f, column), files)
+    return each_file(lambda f: integer_range(f, column), files)

@@ -184,10 +184,7 @@ def _integer_range(files: list[str], column: str) -> tuple[int | None, int | Non
     a shard without them has the column read, while the shards read so stay within
     :data:`~elastic.data.shards.CHECK_READ_ROWS` rows (else None, None: unchecked here;
     the workers check every step's labels)."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    from elastic.data.footers import footer
+    from elastic.data.footers import footer, read_integer_range
     from elastic.data.shards import CHECK_READ_ROWS
 
     low = high = None
@@ -197,11 +194,9 @@ def _integer_range(files: list[str], column: str) -> tuple[int | None, int | Non
             budget -= footer(f).num_rows
             if budget < 0:
                 return None, None
-            read = pc.min_max(pq.read_table(f, columns=[column])[column])
-            smallest, largest = read["min"].as_py(), read["max"].as_py()
-            if smallest is None or largest is None:
+            found = read_integer_range(f, column)
+            if found is None:
                 continue  # no rows (or only nulls): nothing to compare
-            found = (smallest, largest)
         low = found[0] if low is None else min(low, found[0])
         high = found[1] if high is None else max(high, found[1])
     return low, high

@@ -26,7 +26,7 @@ from elastic.config.schema import TrainConfig
 from elastic.data.formats import DataFormat, data_format
 from elastic.data.pipeline import FIX_FORMAT, decoder, finisher, read_columns
 from elastic.data.shards import ID_COLUMN
-from elastic.errors import ConfigError, exception_text, user_code, user_code_site
+from elastic.errors import ConfigError, exception_text, transient, user_code, user_code_site
 
 PROBE_ROWS = 4
 """Rows of the first shard run through the decoder, the model and the loss."""
@@ -42,8 +42,6 @@ class Probe:
     empty: dict[str, np.ndarray]
     """A batch of no rows with the decoded shapes and dtypes (the model's input after
     the finisher): what a worker with no rows of a step trains on."""
-    input_shape: tuple[int, ...]
-    """One row's input as the model takes it."""
 
 
 def shape_text(shape: tuple[int, ...]) -> str:
@@ -98,10 +96,7 @@ def _probe(cfg: TrainConfig, files: list[str]) -> Probe:
     _check_declared(fmt, cfg, x, y)
     _check_targets(cfg, y, ids, who)
     _check_model(cfg, augmented, y)
-    return Probe(
-        empty={ID_COLUMN: ids[:0], "x": x[:0], "y": y[:0]},
-        input_shape=tuple(x.shape[1:]),
-    )
+    return Probe(empty={ID_COLUMN: ids[:0], "x": x[:0], "y": y[:0]})
 
 
 def _decoded(out: Any, rows: int, who: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -141,7 +136,8 @@ def _decoded(out: Any, rows: int, who: str) -> tuple[np.ndarray, np.ndarray, np.
 
 def _check_declared(fmt: DataFormat, cfg: TrainConfig, x: np.ndarray, y: np.ndarray) -> None:
     """What the format declares (``input_shape``, ``target_shape``) against the rows."""
-    declared = fmt.input_shape(cfg.data, cfg.model)
+    with user_code(f"data.format={fmt.name}'s input_shape()", "fix the format"):
+        declared = fmt.input_shape(cfg.data, cfg.model)
     if declared is not None and tuple(declared) != x.shape[1:]:
         raise ConfigError(
             f"data.format={fmt.name} decodes inputs of shape {shape_text(x.shape[1:])} a row, "
@@ -149,7 +145,8 @@ def _check_declared(fmt: DataFormat, cfg: TrainConfig, x: np.ndarray, y: np.ndar
             f"{cfg.model.name}: make the decoder (or finisher) return rows of "
             f"{shape_text(tuple(declared))}, or input_shape() say what the model takes"
         )
-    target = fmt.target_shape(cfg.data, cfg.model)
+    with user_code(f"data.format={fmt.name}'s target_shape()", "fix the format"):
+        target = fmt.target_shape(cfg.data, cfg.model)
     if target is None or cfg.model.task == "vae":
         return
     shape, _ = target  # the dtype: class labels are checked by value (_check_targets)
@@ -198,11 +195,9 @@ def _check_model(cfg: TrainConfig, x: np.ndarray, y: np.ndarray) -> None:
     try:
         with torch.no_grad():
             output = model(inputs).float()
-    except NotImplementedError:
-        if device == "meta":
-            return  # an operator without shapes on the meta device: not checkable here
-        raise
     except Exception as e:
+        if transient(e) or (device == "meta" and isinstance(e, NotImplementedError)):
+            return  # out of memory here, or an operator without meta shapes: not checkable
         raise ConfigError(
             f"model={model_cfg.name} cannot take the decoded inputs: its forward pass on "
             f"{len(x)} rows of shape {shape_text(x.shape[1:])} (data.format="

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from elastic.config.schema import DataConfig
-from elastic.data.footers import ID_COLUMN, Footer, FooterError, file_key, footers
+from elastic.data.footers import ID_COLUMN, Footer, FooterError, each_file, file_key, footers
 from elastic.errors import ConfigError, exception_chain
 
 
@@ -205,6 +205,11 @@ def check_dataset(cfg: DataConfig) -> dict[str, Split]:
                         f"regenerate the shard or set data.input_column/data.target_column"
                     )
             types = {col: schema.field(col).type for col in required}
+            if not pa.types.is_integer(types[ID_COLUMN]):
+                raise ConfigError(
+                    f"{f} has column {ID_COLUMN!r} of type {types[ID_COLUMN]}: it must hold "
+                    "integer ids (int64), unique across the dataset; regenerate the shard"
+                )
             if first_types is None:
                 first_types, first_file = types, f
             for col, typ in types.items():
@@ -279,13 +284,14 @@ def _disjoint_runs(groups: list[tuple[tuple[int, int], int]]) -> bool:
 def _duplicate_ids(path: str, files: list[str]) -> None:
     """Read every shard's ids; a ConfigError naming the first id found twice, its
     shards, or a negative id."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def ids_of(f: str) -> np.ndarray:
-        return pq.read_table(f, columns=[ID_COLUMN])[ID_COLUMN].to_numpy()
-
-    with ThreadPoolExecutor(8) as pool:
-        per_file = list(pool.map(ids_of, files))
+    per_file = each_file(
+        lambda f: pq.read_table(f, columns=[ID_COLUMN])[ID_COLUMN].to_numpy(), files
+    )
+    for f, part in zip(files, per_file, strict=True):
+        if part.dtype.kind not in "iu":  # a null among the ids makes them floats
+            raise ConfigError(
+                f"{f} has rows without a {ID_COLUMN}: every row needs one; regenerate the shard"
+            )
     ids = np.concatenate(per_file) if per_file else np.zeros(0, np.int64)
     if len(ids):
         _not_negative(path, int(ids.min()))

@@ -18,12 +18,10 @@ def bad_labels(task: str, target: np.ndarray, output_dim: int, classes: int = 0)
     """Which rows' class labels the task cannot use (the loss would raise, or index past
     the model's outputs): not an integer in 0..classes-1. A bool mask over the rows (all
     False for tasks without labels)."""
-    if task == "classification":
-        labels, n = target.reshape(len(target), -1)[:, 0], output_dim
-    elif task == "multitask":
-        labels, n = target.reshape(len(target), -1)[:, 0], classes
-    else:
+    if task not in ("classification", "multitask"):
         return np.zeros(len(target), bool)
+    labels = target[:, 0] if target.ndim > 1 else target  # multitask: [class, values...]
+    n = output_dim if task == "classification" else classes
     bad = (labels < 0) | (labels >= n)
     if labels.dtype.kind == "f":
         bad |= labels != np.floor(labels)  # nan too

@@ -88,11 +88,11 @@ def repair_records(run_dir: str) -> str | None:
         return None
     with open(path, "rb") as f:
         lines = f.read().splitlines(keepends=True)
-    bad = [
-        i
-        for i, line in enumerate(lines)
-        if line.strip() and (_record(line) is None or not line.endswith(b"\n"))
-    ]
+    if lines and not lines[-1].endswith(b"\n") and _record(lines[-1]) is not None:
+        with open(path, "ab") as f:  # a whole record, only its newline lost: end it
+            f.write(b"\n")
+        lines[-1] += b"\n"
+    bad = [i for i, line in enumerate(lines) if line.strip() and _record(line) is None]
     if not bad:
         return None
     with open(path + ".damaged", "ab") as f:
@@ -138,9 +138,13 @@ def run_seconds(spans: list[tuple[float, float]], at: float) -> float:
 
 def time_to_target(records: list[dict[str, Any]], target: Target) -> float | None:
     """Run seconds until the first record whose ``target.key`` met the target; None if
-    none did."""
+    none did. A validation that left rows out (``val/rows_left_out``: their loss was not
+    finite, or their labels beyond the model's) does not count: its metrics are not
+    the split's."""
     spans = sessions(records)
     for r in records:
+        if target.key.startswith("val/") and r.get("val/rows_left_out"):
+            continue
         value = r.get(target.key)
         if isinstance(value, (int, float)) and target.met(value):
             return run_seconds(spans, r["time"]) if spans else None

@@ -59,17 +59,18 @@ def remove_unregistered(run_dir: str, resumed_step: int) -> list[str]:
     right after (complete, but never registered). Ray merges a later save of the same
     step into that folder; the failed group's extra rank files would then be read as
     shards of the new one (a resharding restore fails on them). A half-written folder
-    is deleted; a complete one (its manifests verify) is moved aside as
-    ``step=N.unregistered``, never deleted. Called on rank 0 before the group's first
+    is deleted; a complete one (every rank's manifest and files, at full size: no
+    hashing while the other ranks wait) is moved aside as ``step=N.unregistered``,
+    never deleted. Called on rank 0 before the group's first
     save; returns the folders' names."""
-    from elastic.train.integrity import MANIFEST_RE, damage, set_aside, step_folders
+    from elastic.train.integrity import set_aside, step_folders, unverified
 
     cleared: list[str] = []
     for step, name in step_folders(run_dir):
         if step <= resumed_step:
             continue
         folder = os.path.join(run_dir, name)
-        if any(MANIFEST_RE.fullmatch(n) for n in os.listdir(folder)) and damage(folder) is None:
+        if unverified(folder, hashes=False) is None:  # every rank's files, full size
             set_aside(folder, "unregistered")
         else:
             shutil.rmtree(folder, ignore_errors=True)
@@ -193,10 +194,12 @@ FULL_BYTES = 16 * 2**20
 
 
 def storage_full(exc: BaseException, path: str, doing: str, wrote: bool = True) -> str | None:
-    """One line when ``exc`` (raised while ``doing`` into ``path``) is the filesystem
-    being full: an ENOSPC/EDQUOT anywhere in its chain, or, where ``exc`` is known to
-    come from writing there (``wrote``), less than :data:`FULL_BYTES` left. A retry
-    would fill it again: the run stops; the last complete checkpoint is kept."""
+    """One line when ``exc`` (raised while ``doing`` into ``path``) is ``path``'s
+    filesystem being full. Where ``exc`` is known to come from writing there
+    (``wrote``): an ENOSPC/EDQUOT anywhere in its chain, or less than
+    :data:`FULL_BYTES` left; else it must be both (another disk full, a node's /tmp or
+    /dev/shm, stays a failure Ray Train retries). A retry would fill it again: the run
+    stops; the last complete checkpoint is kept."""
     import errno
 
     from elastic.errors import exception_chain
@@ -209,7 +212,8 @@ def storage_full(exc: BaseException, path: str, doing: str, wrote: bool = True) 
         free = shutil.disk_usage(path).free
     except OSError:
         free = None
-    if not full and not (wrote and free is not None and free < FULL_BYTES):
+    low = free is not None and free < FULL_BYTES
+    if not ((full or low) if wrote else (full and low)):
         return None
     left = f"{free / 2**20:.1f} MiB free" if free is not None else "no space left"
     return (

@@ -59,6 +59,7 @@ class RunControl(DrainWatching):
         self._cordoned: set[str] = set()  # node ids the driver keeps out now
         # whether a worker group is up (Ray Train's controller says, GroupWatch), and
         # since when none is (wall-clock seconds; None while one is up)
+        self._controller: Any = None  # Ray Train's controller actor, once it started
         self._group_up = False
         self._starting = True
         self._down_since: float | None = time.time()
@@ -132,6 +133,14 @@ class RunControl(DrainWatching):
         """Ray Train's scaling policy asks, to size a group without them."""
         with self._news:
             return sorted(self._cordoned)
+
+    def controller_started(self, handle: Any) -> None:
+        """Ray Train's controller: its own actor handle (the driver aborts it with it)."""
+        with self._news:
+            self._controller = handle
+
+    def controller(self) -> Any:
+        return self._controller
 
     def controller_state(self, up: bool, starting: bool) -> None:
         """Ray Train's controller, at each change of its state: whether a worker group

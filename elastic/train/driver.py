@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from elastic.cluster.connect import STOP_SIGNALS
+from elastic.cluster.connect import STOP_SIGNALS, off_the_terminal, stop_signals
 from elastic.cluster.cordon import Cordons
 from elastic.config.schema import TrainConfig
 from elastic.data.order import Layout
@@ -21,7 +21,7 @@ from elastic.data.pipeline import fits_cache, warm_up
 from elastic.data.probe import probe
 from elastic.data.reader import content_changes, data_record, layout_changes, setting_changes
 from elastic.data.shards import Split, check_dataset, split_warnings
-from elastic.errors import CheckpointError, ConfigError, RunError
+from elastic.errors import CheckpointError, ClusterUnavailableError, ConfigError, RunError
 from elastic.observe.metrics import (
     SESSION_END,
     SESSION_START,
@@ -132,7 +132,9 @@ def _train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     os.environ.update(sc.ray_env())
     with cluster.connect(cfg.cluster, sc) as where:
         print(f"[elastic] connected to {where}", flush=True)
-        check_resources(sc, ray.nodes())
+        # an embedded cluster is what it is; an explicit one may have nodes to come
+        for warning in check_resources(sc, ray.nodes(), fixed=not cfg.cluster.address):
+            print(f"[elastic] warning: {warning}", flush=True)
         ray.data.DataContext.get_current().enable_progress_bars = False
         control = start_control()
         trainer = interruptible(TorchTrainer, control)(
@@ -268,13 +270,15 @@ def check_resume_data(
     return warning
 
 
-def check_resources(sc: Any, nodes: list[dict[str, Any]]) -> None:
+def check_resources(sc: Any, nodes: list[dict[str, Any]], fixed: bool = True) -> list[str]:
     """A worker that fits on no node would make Ray ask its autoscaler for it every 35 s,
-    forever; a strict placement the nodes cannot give was retried for as long (182
-    times in 16 minutes): say so at once, with what the nodes offer (``nodes``:
-    ``ray.nodes()``)."""
+    forever: say so at once, with what the nodes offer (``nodes``: ``ray.nodes()``). So
+    are fewer workers than ``scaling.min_workers`` placeable as the placement strategy
+    asks (a STRICT_SPREAD group on too few nodes was retried 182 times in 16 minutes)
+    on a ``fixed`` cluster (the embedded one); on one that nodes may still join, that
+    is returned as a warning (``scaling.placement_timeout_s`` bounds the wait)."""
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
-    need = {"CPU": sc.cpus_per_worker, **({"GPU": 1.0} if sc.use_gpu else {})}
+    need = _worker_needs(sc)
     for resource, amount in need.items():
         best = max((r.get(resource, 0.0) for r in alive), default=0.0)
         if best < amount:
@@ -291,17 +295,30 @@ def check_resources(sc: Any, nodes: list[dict[str, Any]]) -> None:
         "STRICT_SPREAD": sum(1 for n in per_node if n),  # a worker a node
         "STRICT_PACK": max(per_node, default=0),  # all on one node
     }.get(strategy, sum(per_node))
-    if fits < wanted:
-        how = {
-            "STRICT_SPREAD": "puts each worker on a node of its own",
-            "STRICT_PACK": "puts every worker on one node",
-        }.get(strategy, "places them")
-        raise ConfigError(
-            f"scaling.placement_strategy={strategy} {how}, but the cluster's nodes hold "
-            f"{fits} of scaling.min_workers={wanted} ({_offer(alive, need)}): use "
-            f"{'SPREAD' if strategy == 'STRICT_SPREAD' else 'PACK'}, lower "
-            "scaling.min_workers, or add nodes"
-        )
+    if fits >= wanted:
+        return []
+    strict = {
+        "STRICT_SPREAD": ("puts each worker on a node of its own", "use SPREAD, "),
+        "STRICT_PACK": ("puts every worker on one node", "use PACK, "),
+    }
+    how, other = strict.get(strategy, ("places them on any node", ""))
+    found = (
+        f"scaling.placement_strategy={strategy} {how}, but the cluster's nodes hold "
+        f"{fits} of scaling.min_workers={wanted} ({_offer(alive, need)})"
+    )
+    if fixed:
+        raise ConfigError(f"{found}: {other}lower scaling.min_workers, or add nodes")
+    wait = (
+        f"up to scaling.placement_timeout_s={sc.placement_timeout_s:g} s"
+        if sc.placement_timeout_s
+        else "as long as it takes (scaling.placement_timeout_s=0)"
+    )
+    return [f"{found}: the run waits for nodes to join, {wait}"]
+
+
+def _worker_needs(sc: Any) -> dict[str, float]:
+    """What one worker takes of a node (``sc``: the scaling config)."""
+    return {"CPU": sc.cpus_per_worker, **({"GPU": 1.0} if sc.use_gpu else {})}
 
 
 def _offer(alive: list[dict[str, float]], need: dict[str, float]) -> str:
@@ -315,10 +332,9 @@ def no_group_started(sc: Any, waited_s: float) -> str:
     ``waited_s`` seconds (``scaling.placement_timeout_s``)."""
     import ray
 
-    need = {"CPU": sc.cpus_per_worker, **({"GPU": 1.0} if sc.use_gpu else {})}
     try:
         alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-        offer = _offer(alive, need)
+        offer = _offer(alive, _worker_needs(sc))
     except Exception:  # Ray going down: say what is known
         offer = "the nodes could not be asked"
     return (
@@ -326,7 +342,8 @@ def no_group_started(sc: Any, waited_s: float) -> str:
         f"{sc.min_workers}, {sc.cpus_per_worker:g} CPU{' and a GPU' if sc.use_gpu else ''} "
         f"each, scaling.placement_strategy={sc.placement_strategy}; now {offer}): add nodes, "
         "lower scaling.min_workers or use another placement strategy, or wait longer with "
-        "scaling.placement_timeout_s"
+        "scaling.placement_timeout_s; the same command resumes from the last complete "
+        "checkpoint (exit 75)"
     )
 
 
@@ -375,11 +392,19 @@ def _run_control(
     from elastic.cluster.connect import Stopped
 
     done = threading.Event()
-    found: list[str] = []
+    found: list[RunError] = []  # what ends the run, if anything does
     wake_r, wake_w = socket.socketpair()
     wake_w.setblocking(False)
 
     aborted: list[float] = []  # when the run was aborted
+
+    def controller() -> Any:
+        """Ray Train's controller actor (its handle is set where fit() runs in the main
+        thread; elsewhere the controller told the control actor)."""
+        if trainer.controller is None:
+            with contextlib.suppress(Exception):
+                trainer.controller = ray.get(control.controller.remote(), timeout=5)
+        return trainer.controller
 
     def abort(interrupt: BaseException | None) -> None:
         if aborted:
@@ -387,13 +412,14 @@ def _run_control(
         aborted.append(time.monotonic())
         if interrupt is not None:
             type(trainer).interrupted = interrupt  # fit() raises it
-        if trainer.controller is not None:
+        if controller() is not None:
             trainer.controller.abort.remote()
 
     def relay() -> None:
         stop: int | None = None  # the stop signal being acted on
         starting_since: float | None = None  # no worker group up, one being started
-        pending, seen = None, 0  # the standing question to the control actor
+        pending, seen = None, -1  # the standing question to the control actor (the
+        # first one is answered at once: whether a group is up is known from the start)
         while not done.is_set():
             if select.select([wake_r], [], [], TICK_S)[0]:
                 for signum in wake_r.recv(64):
@@ -406,13 +432,16 @@ def _run_control(
                     elif signum in STOP_SIGNALS:
                         stop = signum
                         name = signal.Signals(signum).name
-                        print(f"[elastic] {name}: checkpointing now, then stopping", flush=True)
                         control.request_stop.remote(name)
+                        if signum == signal.SIGHUP:
+                            off_the_terminal()
+                        with contextlib.suppress(OSError):
+                            print(f"[elastic] {name}: checkpointing now, then stopping", flush=True)
             if aborted:
                 # Ray Train's controller takes an abort between its loop's steps; while
                 # it retries a group's start it has none (each attempt blocks its event
                 # loop): past a grace period it is ended, and its workers with it
-                if time.monotonic() - aborted[0] > ABORT_GRACE_S and trainer.controller:
+                if time.monotonic() - aborted[0] > ABORT_GRACE_S and controller():
                     with contextlib.suppress(Exception):
                         ray.kill(trainer.controller)
                     return
@@ -421,7 +450,7 @@ def _run_control(
                 if stop is not None:  # the group that was to checkpoint failed: a new
                     abort(Stopped(stop))  # one would only start from the same checkpoint
                 elif no_group is not None and time.time() - starting_since > no_group[0]:
-                    found.append(no_group[1](time.time() - starting_since))
+                    found.append(ClusterUnavailableError(no_group[1](time.time() - starting_since)))
                     abort(None)
             try:
                 if pending is None:
@@ -435,16 +464,17 @@ def _run_control(
             if cordons is not None:  # evicted nodes kept out for their cooldown
                 cordons.update(evictions)
             if progress and display is not None:
-                display.update(progress)
+                with contextlib.suppress(OSError):  # a terminal gone
+                    display.update(progress)
             if message:
-                found.append(message)
+                found.append(RunError(message))
                 abort(None)
 
     previous: dict[int, Any] = {}
     old_fd = None
     if threading.current_thread() is threading.main_thread():
         # the Python-level handler has nothing left to do: the relay thread acts
-        previous = {s: signal.signal(s, lambda *_: None) for s in STOP_SIGNALS}
+        previous = {s: signal.signal(s, lambda *_: None) for s in stop_signals()}
         old_fd = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
     thread = threading.Thread(target=relay, name="elastic-control", daemon=True)
     thread.start()
@@ -454,7 +484,7 @@ def _run_control(
         if not found:
             message = ray.get(control.fatal.remote())
             if message:
-                found.append(message)
+                found.append(RunError(message))
         if not found:
             raise
     finally:
@@ -474,7 +504,7 @@ def _run_control(
         wake_r.close()
         wake_w.close()
     if found:
-        raise RunError(found[0])
+        raise found[0]
 
 
 ABORT_GRACE_S = 10.0

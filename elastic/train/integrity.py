@@ -56,10 +56,10 @@ def registered_steps(run_dir: str) -> list[int]:
     return [int(n.split("=")[1]) for n in names]
 
 
-def damage(path: str) -> str | None:
+def damage(path: str, hashes: bool = True) -> str | None:
     """What is wrong with the checkpoint folder ``path``, naming the file, or None when
     every file is as its rank wrote it (or the checkpoint predates manifests: nothing to
-    compare with)."""
+    compare with). ``hashes=False``: sizes only (a stat a file, no read)."""
     if not os.path.isdir(path):
         return "the folder is missing"
     if not any(MANIFEST_RE.fullmatch(n) for n in os.listdir(path)):
@@ -84,7 +84,7 @@ def damage(path: str) -> str | None:
             return f"{rel} is missing"
         if os.path.getsize(full) != size:
             return f"{rel} has {os.path.getsize(full)} bytes, {size} when written"
-    for rel, _, sha256 in listed:
+    for rel, _, sha256 in listed if hashes else []:
         if _sha256(os.path.join(path, rel)) != sha256:
             return f"{rel} is not what was written (sha256 differs)"
     return None
@@ -225,13 +225,9 @@ def prepare_resume(run_dir: str, model_cfg: Any) -> Resume:
 
 def _read_snapshot(path: str) -> tuple[dict[str, Any] | None, str | None]:
     """Ray Train's checkpoint list, or (None, why it cannot be used; None: there is none)."""
-    import ray
-
     try:
         with open(path) as f:
             snapshot = json.load(f)
-        if snapshot.get("ray_version") != ray.__version__:  # Ray Train refuses another's
-            raise ValueError(f"written by Ray {snapshot.get('ray_version')}, not {ray.__version__}")
         names = [r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]]
         latest = snapshot["latest_checkpoint_result"]
         pending = [r["checkpoint_dir_name"] for r in snapshot["pending_training_results"]]
@@ -247,7 +243,7 @@ def _read_snapshot(path: str) -> tuple[dict[str, Any] | None, str | None]:
                 raise ValueError(f"it names {name}, which is not in its list")
     except FileNotFoundError:
         return None, None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return None, f"{type(e).__name__}: {exception_text(e, 120)}"
     return snapshot, None
 
@@ -267,44 +263,46 @@ def _newest_verified(run_dir: str) -> tuple[str | None, list[tuple[str, str]]]:
     and (folder, why) of each newer one that does not."""
     newer: list[tuple[str, str]] = []
     for _, name in step_folders(run_dir):
-        folder = os.path.join(run_dir, name)
-        has_manifests = any(MANIFEST_RE.fullmatch(n) for n in os.listdir(folder))
-        why = damage(folder) if has_manifests else "no manifests: not known to be complete"
+        why = unverified(os.path.join(run_dir, name))
         if why is None:
             return name, newer
         newer.append((name, why))
     return None, newer
 
 
+def unverified(folder: str, hashes: bool = True) -> str | None:
+    """Why the checkpoint folder is not known to be complete and as written (it has no
+    manifests, or :func:`damage`), else None."""
+    if not any(MANIFEST_RE.fullmatch(n) for n in os.listdir(folder)):
+        return "no manifests: not known to be complete"
+    return damage(folder, hashes)
+
+
 def _resume_without_list(run_dir: str, model_cfg: Any, unreadable: str | None) -> Resume:
-    """No usable Ray Train list: the newest verified checkpoint folder, if any."""
+    """No usable Ray Train list: the newest verified checkpoint folder, if any. Folders
+    newer than it (or all, when none verifies: a run killed while its first checkpoint
+    was written has one half-written and no list yet) are moved aside, never deleted,
+    and a list that cannot be read too; the run then starts afresh or resumes."""
     resume, newer = _newest_verified(run_dir)
-    if resume is None and not newer:
-        if unreadable:  # nothing to resume from, nothing to lose: a fresh list
-            aside = set_aside(os.path.join(run_dir, RAY_SNAPSHOT))
-            return Resume(
-                None, True, [f"Ray Train's checkpoint list was unreadable: moved to {aside}"]
-            )
-        return Resume(None, True, [])
     listed = f"unreadable ({unreadable})" if unreadable else "missing"
-    if resume is None:
-        found = "; ".join(f"{n}: {why}" for n, why in newer)
-        raise CheckpointError(
-            f"Ray Train's checkpoint list in {run_dir} is {listed} and no checkpoint folder "
-            f"verifies ({found}): start over with a new run.name (or delete {run_dir})"
-        )
-    _check_fits(os.path.join(run_dir, resume), model_cfg)
+    if resume is not None:  # before anything is moved: a refusal changes nothing
+        _check_fits(os.path.join(run_dir, resume), model_cfg)
     warnings = []
     if unreadable:
         aside = set_aside(os.path.join(run_dir, RAY_SNAPSHOT))
-        warnings.append(f"Ray Train's checkpoint list {RAY_SNAPSHOT} moved to {aside}")
+        warnings.append(f"Ray Train's checkpoint list in {run_dir} is {listed}: moved to {aside}")
     for name, why in newer:
         aside = set_aside(os.path.join(run_dir, name))
         warnings.append(f"checkpoint {os.path.join(run_dir, name)} ({why}) moved to {aside}")
+    if resume is None:
+        if newer:
+            warnings.append(f"no checkpoint in {run_dir} verifies: the run starts from step 0")
+        return Resume(None, True, warnings)
     warnings.insert(
         0,
         f"Ray Train's checkpoint list in {run_dir} is {listed}: resuming from the newest "
-        f"checkpoint whose manifests verify, {resume} (no checkpoint is deleted)",
+        f"checkpoint whose manifests verify, {resume} (no checkpoint is deleted; the older "
+        "ones no longer count in checkpoint.keep: delete them when you no longer need them)",
     )
     return Resume(os.path.join(run_dir, resume), False, warnings)
 

@@ -92,6 +92,8 @@ def interruptible(trainer_cls: type, control: Any = None) -> type:
                     with contextlib.suppress(Exception):  # Ray itself may be gone
                         ray.kill(Trainer.controller)
                     Trainer.controller = None
+                with contextlib.suppress(Exception):  # a group's start cut off by an abort
+                    ray_internals.remove_job_placement_groups()
                 if Trainer.drain_watcher is not None:
                     Trainer.drain_watcher.close()
                     Trainer.drain_watcher = None
@@ -220,6 +222,11 @@ def _controller_watch(control: Any) -> Any:
     class ControllerWatch(base):  # type: ignore[valid-type,misc]
         def __init__(self) -> None:
             self.told: tuple[bool, bool] | None = None
+
+        def after_controller_start(self, train_run_context: Any) -> None:
+            import ray
+
+            control.controller_started.remote(ray.get_runtime_context().current_actor)
 
         def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
             name = type(current_state).__name__
