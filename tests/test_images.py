@@ -179,21 +179,19 @@ def test_digits_train_a_resnet_that_generalises(tmp_path, ray_session):
     assert json.loads(meta[b"elastic.classes"]) == [str(d) for d in range(10)]
 
 
-@pytest.mark.slow
-def test_an_image_that_does_not_decode_at_train_time_ends_the_run_in_one_line(tmp_path):
-    """Shards written by something else than the converter (which decodes every image)
-    can hold a broken image: the run stops at the first step that meets it, with one
-    line naming the sample and its source file, exit 2, no restarts."""
-    write_tree(tmp_path / "src")
-    convert(tmp_path / "src", tmp_path / "out", val_fraction=0.0, shards=2)
-    shard = sorted((tmp_path / "out/train").glob("*.parquet"))[0]
+def _break_image(shard, row: int) -> tuple[int, str]:
+    """Truncate ``row``'s image in ``shard`` (the PNG header survives, the pixels do not);
+    its sample_id and source path."""
     t = pq.read_table(shard)
     images = t["image"].to_pylist()
-    images[3] = images[3][:40]  # truncated: the PNG header survives, the pixels do not
+    images[row] = images[row][:40]
     broken = t.set_column(t.schema.get_field_index("image"), "image", pa.array(images))
     pq.write_table(broken.replace_schema_metadata(t.schema.metadata), shard)
-    sid, source = t["sample_id"][3].as_py(), t["path"][3].as_py()
-    out = subprocess.run(
+    return t["sample_id"][row].as_py(), t["path"][row].as_py()
+
+
+def _run_images(tmp_path) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [
             sys.executable,
             str(REPO / "launch/run.py"),
@@ -212,9 +210,29 @@ def test_an_image_that_does_not_decode_at_train_time_ends_the_run_in_one_line(tm
         cwd=tmp_path,
         timeout=240,
     )
-    assert out.returncode == 2, out.stderr[-3000:]
-    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, out.stderr[-3000:]
-    assert f"sample_id {sid} (source {source}) does not decode as an image" in errors[0]
-    assert f"data.path={tmp_path}/out/train" in errors[0]
-    assert "Error count: 2" not in out.stdout + out.stderr  # not retried
+
+
+@pytest.mark.slow
+def test_an_image_that_does_not_decode_at_train_time_ends_the_run_in_one_line(tmp_path):
+    """Shards written by something else than the converter (which decodes every image)
+    can hold a broken image. Among the first rows (decoded before Ray starts) the run
+    never starts; further on, the run stops at the first step that meets it. Both times
+    one line naming the sample, its source file and the data, exit 2, no restarts."""
+    import shutil
+
+    write_tree(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "out", val_fraction=0.0, shards=2)
+    first, second = sorted((tmp_path / "out/train").glob("*.parquet"))
+    intact = tmp_path / "intact.parquet"
+    shutil.copy(first, intact)
+    for shard, row, before_ray in ((first, 1, True), (second, 3, False)):
+        sid, source = _break_image(shard, row)
+        out = _run_images(tmp_path)
+        assert out.returncode == 2, out.stderr[-3000:]
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, out.stderr[-3000:]
+        assert f"sample_id {sid} (source {source}) does not decode as an image" in errors[0]
+        assert f"data.path={tmp_path}/out/train" in errors[0]
+        assert "Error count: 2" not in out.stdout + out.stderr  # not retried
+        assert ("connected to" not in out.stdout) == before_ray, out.stdout[-2000:]  # Ray
+        shutil.copy(intact, first)

@@ -228,6 +228,8 @@ def _refuse_changed_shards(data, resume: list[str]) -> None:
     starts, naming the shard or key; then the data is as it was."""
     import shutil
 
+    import pyarrow as pa
+    import pyarrow.compute  # noqa: F401  (pa.compute)
     import pyarrow.parquet as pq
 
     from elastic.errors import CheckpointError
@@ -238,7 +240,10 @@ def _refuse_changed_shards(data, resume: list[str]) -> None:
     with pytest.raises(CheckpointError, match=rf"{shard.name} is gone.*restore the shards"):
         train(resume)
     shutil.copy(kept, shard)
-    shutil.copy(kept, data / "train" / "part-99999.parquet")
+    added = pq.read_table(kept)
+    ids = added.schema.get_field_index("sample_id")
+    fresh = pa.compute.add(added["sample_id"], 10**6)  # new rows: ids of their own
+    pq.write_table(added.set_column(ids, "sample_id", fresh), data / "train/part-99999.parquet")
     with pytest.raises(CheckpointError, match="part-99999.parquet is new"):
         train(resume)
     os.remove(data / "train" / "part-99999.parquet")

@@ -26,7 +26,14 @@ from elastic.config.schema import TrainConfig
 from elastic.data.formats import DataFormat, data_format
 from elastic.data.pipeline import FIX_FORMAT, decoder, finisher, read_columns
 from elastic.data.shards import ID_COLUMN
-from elastic.errors import ConfigError, exception_text, transient, user_code, user_code_site
+from elastic.errors import (
+    ConfigError,
+    DataError,
+    exception_text,
+    transient,
+    user_code,
+    user_code_site,
+)
 
 PROBE_ROWS = 4
 """Rows of the first shard run through the decoder, the model and the loss."""
@@ -84,8 +91,11 @@ def _probe(cfg: TrainConfig, files: list[str]) -> Probe:
         raise ConfigError(f"data.path={cfg.data.path} holds no rows: prepare the dataset there")
     decode, kwargs = decoder(cfg.data, files[0])
     who = decode.what
-    ids, x, y = _decoded(decode(table, **kwargs), table.num_rows, who)
-    x = np.asarray(finisher(cfg.data, files[0])(x))
+    try:
+        ids, x, y = _decoded(decode(table, **kwargs), table.num_rows, who)
+        x = np.asarray(finisher(cfg.data, files[0])(x))
+    except DataError as e:  # a row that does not decode: the same line the workers give
+        raise ConfigError(f"{e} (data.path={cfg.data.path}; one of its first rows)") from e
     with user_code(f"data.format={fmt.name}'s augment()", "fix the format's augment()"):
         augmented = np.asarray(fmt.augment(x, ids, 0, cfg.data))
     if augmented.shape != x.shape:
