@@ -18,7 +18,7 @@ import torch
 from conftest import small_overrides, train
 from ranks import free_port, start_ranks
 
-from elastic.errors import RunError
+from elastic.errors import CheckpointError, RunError
 from elastic.train import checkpoint as ckpt
 from elastic.train import integrity
 from elastic.train.driver import read_events
@@ -210,24 +210,30 @@ def test_a_payload_planted_in_the_rng_state_is_refused_by_the_worker(
     assert len([e for e in read_events(run_dir) if e["event"] == "world_size"]) == 1
 
 
-@pytest.mark.parametrize("replaced", ["rng-rank0.npz", "samples.npz"])
 def test_a_replaced_state_file_ends_the_run_in_one_line_naming_it(
-    stopped_run, small_data, tmp_path, replaced
+    stopped_run, small_data, tmp_path
 ):
     """A state file replaced by another kind of file (its manifest entry rewritten too):
-    an RNG state without the RNG's arrays was retried by every worker group (354 s), a
-    samples bitmap that is no bitmap was a traceback on the driver."""
+    a samples bitmap that is no bitmap was a traceback on the driver; an RNG state
+    without the RNG's arrays was retried by every worker group (354 s). The RNG file is
+    read where the planted payload's is (which shows the run ends there at once)."""
     run_dir = _copy(stopped_run, tmp_path, "r")
     newest = os.path.join(run_dir, "step=000000006")
-    np.savez(os.path.join(newest, replaced), other=np.zeros(3))
-    _replant(newest, replaced)
+    for replaced in ("samples.npz", "rng-rank0.npz"):
+        np.savez(os.path.join(newest, replaced), other=np.zeros(3))
+        _replant(newest, replaced)
     with pytest.raises(RunError) as e:
         _resume(small_data, tmp_path, "r", "trainer.max_steps=8")
     message = str(e.value)
-    assert "\n" not in message and replaced in message and newest in message, message
+    assert "\n" not in message and "samples.npz" in message and newest in message, message
     assert "resume from another checkpoint" in message, message
-    # no restart: the stopped run's group is the only one that started
-    assert len([e for e in read_events(run_dir) if e["event"] == "world_size"]) == 1
+    with pytest.raises(CheckpointError) as e:
+        ckpt.load_rng(os.path.join(newest, "rng-rank0.npz"))
+    assert str(e.value) == (
+        f"checkpoint {newest}/rng-rank0.npz is not the RNG state it wrote (KeyError: 'torch "
+        "is not a file in the archive'): refused to load it; resume from another checkpoint "
+        "(move this one aside) or start a new run.name"
+    )
 
 
 def _verified_steps(run_dir: str) -> list[int]:
@@ -238,23 +244,61 @@ def _verified_steps(run_dir: str) -> list[int]:
     )
 
 
-def test_a_lost_checkpoint_list_resumes_from_the_newest_verified_checkpoint(
+def test_a_lost_list_a_torn_record_and_rewritten_data_at_one_resume(
     stopped_run, small_data, tmp_path, capsys
 ):
-    """Ray Train's list of the run's checkpoints cut short: the run started from step 0
-    and its worker group deleted every checkpoint, verified ones too. Now the list is
-    moved aside and the run resumes from the newest checkpoint that verifies."""
+    """Three things a crash or a user leaves behind, met by one resume:
+    - Ray Train's list of the run's checkpoints cut short: the run started from step 0
+      and its worker group deleted every checkpoint, verified ones too. Now the list is
+      moved aside and the run resumes from the newest checkpoint that verifies.
+    - a history whose last line a full disk cut off: every later resume trained to the
+      end, then failed reading it (exit 1, no summary.json). Now it is moved aside.
+    - a shard written again with other values, same name and rows (or another
+      data.path with the same names): the resume took it without a word. Now it stops
+      the resume, unless accepted."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
     run_dir = _copy(stopped_run, tmp_path, "r")
     _truncate(os.path.join(run_dir, integrity.RAY_SNAPSHOT))
-    summary = _resume(small_data, tmp_path, "r", "trainer.max_steps=8")
+    history = os.path.join(run_dir, "metrics.jsonl")
+    whole = _read(history)
+    with open(history, "a") as f:
+        f.write('{"step": 7, "train/lo')
+    data = tmp_path / "data"
+    shutil.copytree(small_data, data)
+    shard = sorted((data / "train").glob("*.parquet"))[1]
+    table = pq.read_table(shard)
+    column = table.column_names.index("y")
+    y = table["y"].combine_chunks()
+    flipped = type(y).from_arrays(pc.negate(y.flatten()), y.type.list_size)
+    pq.write_table(table.set_column(column, "y", flipped), shard)
+
+    with pytest.raises(RunError) as e:
+        _resume(data, tmp_path, "r", "trainer.max_steps=8")
+    assert str(e.value) == (
+        f"data.path={data}/train changed since checkpoint {run_dir}/step=000000006 was "
+        f"written: shard {shard.name} holds other data than when the checkpoint was written "
+        "(same name and rows, another footer: other values, or another file); restore the "
+        "shards it was trained on to resume, to train on the data as it is now, add "
+        "checkpoint.accept_changed_data=true; or start a new run.name"
+    )
+    summary = _resume(
+        data, tmp_path, "r", "trainer.max_steps=8", "checkpoint.accept_changed_data=true"
+    )
     assert summary["status"] == "finished" and summary["steps"] == 8
     assert [e["step"] for e in read_events(run_dir) if e["event"] == "resume"] == [6]
     out = capsys.readouterr().out
+    assert "resuming on the data as it is now" in out
     assert f"Ray Train's checkpoint list in {run_dir} is unreadable (" in out
     assert "resuming from the newest checkpoint whose manifests verify, step=000000006" in out
     assert os.path.exists(os.path.join(run_dir, integrity.RAY_SNAPSHOT + ".damaged"))
     assert _verified_steps(run_dir) == [2, 4, 6, 8]  # none lost, the new one registered
     assert integrity.registered_steps(run_dir) == [8]
+    assert f"warning: {history}: 1 line(s) that are not whole records (line " in out
+    assert _read(history + ".damaged") == '{"step": 7, "train/lo\n'
+    assert _read(history).startswith(whole)  # every whole record kept, in order
+    assert all(json.loads(line) for line in _read(history).splitlines())
 
 
 @pytest.mark.parametrize("how", ["missing", "names a missing folder", "not an object"])
@@ -307,56 +351,6 @@ def test_a_full_disk_is_told_apart_from_another_disk_full(tmp_path):
     assert ckpt.storage_full(error, str(tmp_path), "saving") is not None
     assert ckpt.storage_full(error, str(tmp_path), "training", wrote=False) is None
     assert ckpt.storage_full(RuntimeError("gloo: connection reset"), str(tmp_path), "x") is None
-
-
-def test_rewritten_data_stops_the_resume_unless_accepted(stopped_run, small_data, tmp_path, capsys):
-    """A shard written again with other values, same name and rows (or another
-    data.path with the same names): the resume took it without a word."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    run_dir = _copy(stopped_run, tmp_path, "r")
-    data = tmp_path / "data"
-    shutil.copytree(small_data, data)
-    shard = sorted((data / "train").glob("*.parquet"))[1]
-    table = pq.read_table(shard)
-    column = table.column_names.index("y")
-    y = table["y"].combine_chunks()
-    flipped = type(y).from_arrays(pc.negate(y.flatten()), y.type.list_size)
-    pq.write_table(table.set_column(column, "y", flipped), shard)
-    with pytest.raises(RunError) as e:
-        _resume(data, tmp_path, "r", "trainer.max_steps=8")
-    assert str(e.value) == (
-        f"data.path={data}/train changed since checkpoint {run_dir}/step=000000006 was "
-        f"written: shard {shard.name} holds other data than when the checkpoint was written "
-        "(same name and rows, another footer: other values, or another file); restore the "
-        "shards it was trained on to resume, to train on the data as it is now, add "
-        "checkpoint.accept_changed_data=true; or start a new run.name"
-    )
-    summary = _resume(
-        data, tmp_path, "r", "trainer.max_steps=8", "checkpoint.accept_changed_data=true"
-    )
-    assert summary["status"] == "finished" and summary["steps"] == 8
-    assert "resuming on the data as it is now" in capsys.readouterr().out
-
-
-def test_a_torn_last_record_is_moved_aside_at_the_next_start(
-    stopped_run, small_data, tmp_path, capsys
-):
-    """A history whose last line a full disk cut off: every later resume trained to the
-    end, then failed reading it (exit 1, no summary.json)."""
-    run_dir = _copy(stopped_run, tmp_path, "r")
-    history = os.path.join(run_dir, "metrics.jsonl")
-    whole = _read(history)
-    with open(history, "a") as f:
-        f.write('{"step": 7, "train/lo')
-    summary = _resume(small_data, tmp_path, "r", "trainer.max_steps=8")
-    assert summary["status"] == "finished" and summary["steps"] == 8
-    out = capsys.readouterr().out
-    assert f"warning: {history}: 1 line(s) that are not whole records (line " in out
-    assert _read(history + ".damaged") == '{"step": 7, "train/lo\n'
-    assert _read(history).startswith(whole)  # every whole record kept, in order
-    assert all(json.loads(line) for line in _read(history).splitlines())
 
 
 def test_checkpoints_are_staged_under_the_run_and_stale_staging_is_removed(

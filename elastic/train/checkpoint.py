@@ -317,13 +317,19 @@ def restore(engine: Any, path: str, rank: int, universal: bool = False) -> str |
         # written before RNG state was npz: that format loads only by unpickling it
         print(f"[elastic] {path}: RNG state of the old format (rng-rank*.pt) not loaded")
     if os.path.exists(rng):  # a rank that did not exist at the saved world size keeps its seed
-        try:
-            _load_rng(rng)
-        except Exception as e:  # an object array (np.load refuses to unpickle it), another
-            # kind of file, or arrays that are no RNG state: the same on every retry
-            raise CheckpointError(
-                f"checkpoint {rng} is not the RNG state it wrote ({type(e).__name__}: "
-                f"{exception_text(e, 120)}): refused to load it; resume from another checkpoint"
-                " (move this one aside) or start a new run.name"
-            ) from None
+        load_rng(rng)
     return converted
+
+
+def load_rng(path: str) -> None:
+    """Set torch's, numpy's and Python's RNG state from ``path`` (an npz ``_save_rng``
+    wrote); a :class:`CheckpointError` naming the file when it is not one."""
+    try:
+        _load_rng(path)
+    except Exception as e:  # an object array (np.load refuses to unpickle it), another
+        # kind of file, or arrays that are no RNG state: the same on every retry
+        raise CheckpointError(
+            f"checkpoint {path} is not the RNG state it wrote ({type(e).__name__}: "
+            f"{exception_text(e, 120)}): refused to load it; resume from another checkpoint"
+            " (move this one aside) or start a new run.name"
+        ) from None
