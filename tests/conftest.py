@@ -46,6 +46,23 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture
+def cpus_held(ray_session):
+    """An actor that holds all but one of the session cluster's 4 CPUs: a worker group
+    of 2 cannot be placed (Ray Train retries its start, for ever)."""
+    import ray
+
+    @ray.remote(num_cpus=3)
+    class Holder:
+        def ready(self) -> bool:
+            return True
+
+    holder = Holder.remote()
+    ray.get(holder.ready.remote())
+    yield
+    ray.kill(holder)
+
+
 # Ray Train's controller takes a worker's reported checkpoint only when it polls the
 # workers (scaling.health_check_interval_s, 1 s) and a worker's next report waits for
 # that: a test checkpointing every few millisecond-steps would spend most of its time

@@ -194,7 +194,7 @@ def test_a_stop_signal_during_start_up_exits_75_and_leaves_nothing_running(
 
 
 def test_a_stop_signal_while_no_group_can_start_ends_the_run_at_once(
-    small_data, tmp_path, ray_session
+    small_data, tmp_path, cpus_held
 ):
     """SIGTERM while Ray Train retries a worker group's start (no node has room: the
     session cluster's CPUs are held by another actor): it printed "checkpointing now"
@@ -202,23 +202,13 @@ def test_a_stop_signal_while_no_group_can_start_ends_the_run_at_once(
     checkpoint: the run ends, 75."""
     import ray
 
-    @ray.remote(num_cpus=3)
-    class Holder:
-        def ready(self) -> bool:
-            return True
-
-    holder = Holder.remote()
-    ray.get(holder.ready.remote())
     address = ray.get_runtime_context().gcs_address
     args = small_overrides(small_data, tmp_path / "runs", "run.name=unplaced", "logger=none")
-    try:
-        run = Session(_cli([*args, f"cluster.address={address}"], tmp_path))
-        run.wait_for(lambda: "Attempting to start training worker group" in run.out)
-        time.sleep(3)  # its start is being retried
-        run.proc.send_signal(signal.SIGTERM)
-        assert run.finish(timeout_s=60) == 75, run.out  # not a hang
-    finally:
-        ray.kill(holder)
+    run = Session(_cli([*args, f"cluster.address={address}"], tmp_path))
+    run.wait_for(lambda: "Attempting to start training worker group" in run.out)
+    time.sleep(3)  # its start is being retried
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish(timeout_s=60) == 75, run.out  # not a hang
     assert "[elastic] SIGTERM: stopped; the last complete checkpoint" in run.out, run.out
 
 

@@ -142,23 +142,6 @@ def test_a_strict_placement_the_nodes_cannot_give_fails_at_once(small_data, tmp_
     ), str(e.value)
 
 
-@pytest.fixture
-def cpus_held():
-    """An actor that holds all but one of the session cluster's 4 CPUs: a worker group
-    of 2 cannot be placed (Ray Train retries its start, for ever)."""
-    import ray
-
-    @ray.remote(num_cpus=3)
-    class Holder:
-        def ready(self) -> bool:
-            return True
-
-    holder = Holder.remote()
-    ray.get(holder.ready.remote())
-    yield
-    ray.kill(holder)
-
-
 @pytest.mark.slow
 def test_a_group_that_cannot_be_placed_ends_the_run_after_the_placement_timeout(
     small_data, tmp_path, cpus_held
