@@ -99,3 +99,53 @@ def test_a_placement_group_left_pending_by_an_ended_controller_is_removed(ray_se
     assert placement_group_table(pending)["state"] == "PENDING"
     assert ray_internals.remove_job_placement_groups() >= 1
     assert placement_group_table(pending)["state"] == "REMOVED"
+
+
+def test_ray_starts_the_workers_through_elastics_script_with_their_environment(ray_session):
+    """The session cluster (started as elastic starts its own) starts a task's worker
+    process through elastic/cluster/worker_exec.py, with the task's runtime env: its
+    variables set as Ray sets them (``${X}`` expanded, an unset one removed)."""
+    assert "worker_exec.py" in ray_internals.ray_constants().SETUP_WORKER_FILENAME
+    env = {"A": "${HOME}/a", "B": "${ELASTIC_TEST_UNSET_VARIABLE}b"}
+
+    @ray.remote(num_cpus=0, runtime_env={"env_vars": env})
+    def environment() -> tuple:
+        import os
+
+        return tuple(os.environ.get(k) for k in ("A", "B", "ELASTIC_WORKER_EXEC"))
+
+    home = __import__("os").environ["HOME"]
+    assert ray.get(environment.remote()) == (f"{home}/a", "b", "1")
+
+
+@pytest.mark.parametrize("prefix", [[], ["export", "C=3", "&&"]])
+def test_a_worker_start_elastic_does_not_know_goes_to_rays_own_script(tmp_path, prefix):
+    """A runtime env with more than variables (here a command prefix, as a container or a
+    conda env gives) is started by Ray's setup_worker.py, unchanged; a plain one by
+    elastic's script, in the same interpreter, with the same arguments."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from elastic.cluster import worker_exec
+
+    context = {"command_prefix": prefix, "env_vars": {"A": "1"}, "py_executable": sys.executable}
+    code = "import os, sys; print(os.environ.get('A'), os.environ.get('C'), sys.argv[1:])"
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(Path(worker_exec.__file__)),
+            "-c", code,
+            f"--serialized-runtime-env-context={json.dumps(context)}",
+            "--language=PYTHON",
+            "--an-argument=x y",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    mark = "3" if prefix else "None"  # only Ray's script runs the prefix
+    assert out.stdout.strip() == f"1 {mark} ['--an-argument=x y']", out.stdout

@@ -408,7 +408,8 @@ def ray_start_cmd(
     the claimed block starting at ``base``, the dashboard off or on localhost."""
     ports = {name: base + i for i, name in enumerate(PORT_NAMES)}
     cmd = [
-        "ray", "start", f"--node-ip-address={ip}", f"--temp-dir={temp}",
+        sys.executable, "-m", "elastic.cluster.ray_start",  # ray start, workers started fast
+        "start", f"--node-ip-address={ip}", f"--temp-dir={temp}",
         f"--num-cpus={node_cpus()}", "--disable-usage-stats",
         f"--min-worker-port={base + WORKER_PORTS[0]}",
         f"--max-worker-port={base + WORKER_PORTS[1]}",

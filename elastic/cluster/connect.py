@@ -29,6 +29,7 @@ WORKER_ENV = {
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
 }
 LOOPBACK = "127.0.0.1"
+USAGE_STATS = "RAY_USAGE_STATS_ENABLED"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 """A batch system's warning (SIGTERM, SIGUSR1) and a closed terminal or ssh session
 (SIGHUP, whose default would kill the driver at once and leave its Ray behind)."""
@@ -162,6 +163,11 @@ def connect(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[str]:
     for key in ("ELASTIC_PLUGINS", "PYTHONPATH"):
         if os.environ.get(key):
             env[key] = os.environ[key]
+    # Ray's usage statistics go to Anyscale over the internet, which compute nodes rarely
+    # reach, and Ray Data records them through an actor process of their own: off
+    # unless the user turned them on (RAY_USAGE_STATS_ENABLED=1)
+    os.environ.setdefault(USAGE_STATS, "0")
+    env[USAGE_STATS] = os.environ[USAGE_STATS]
     if cluster.address:  # a stop signal ends this wait (Ray's start defers it)
         wait_for_head(cluster.address, cluster.connect_timeout_s)
     with contextlib.ExitStack() as stack:
@@ -221,9 +227,10 @@ def _start_embedded(
     import ray
 
     from elastic.cluster.bootstrap import WORKER_POOL, quiet_log_monitor
-    from elastic.cluster.ray_internals import ray_constants
+    from elastic.cluster.ray_internals import fast_worker_start, ray_constants
 
     constants = ray_constants()
+    fast_worker_start()
     interface = _loopback_interface()
     if interface:
         env["GLOO_SOCKET_IFNAME"] = interface  # gloo's pair sockets: loopback too

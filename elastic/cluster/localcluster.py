@@ -47,8 +47,11 @@ class RayCluster:
     ) -> None:
         from ray.cluster_utils import Cluster
 
+        from elastic.cluster.ray_internals import fast_worker_start
+
         self.node_cpus = node_cpus
         quiet_log_monitor()  # as every Ray node elastic starts
+        fast_worker_start()
         self.cluster = Cluster(
             initialize_head=True,
             head_node_args={

@@ -30,6 +30,7 @@ IMPORTED = (
     "ray.train.torch.config:_set_torch_distributed_env_vars",
     "ray._private.ray_constants:ENABLE_RAY_CLUSTER",
     "ray._private.ray_constants:PROCESS_TYPE_RAYLET",
+    "ray._private.ray_constants:SETUP_WORKER_FILENAME",
     "ray._raylet:AuthenticationTokenLoader",
     "ray._raylet:Config",
     "ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator:_AutoscalingCoordinatorActor",
@@ -152,6 +153,25 @@ def ray_constants() -> Any:
     from ray._private import ray_constants as constants
 
     return constants
+
+
+def fast_worker_start() -> bool:
+    """Have the Ray nodes this process starts (``ray.init`` of an embedded cluster,
+    ``ray start``, ``ray.cluster_utils.Cluster``) start their Python workers through
+    :mod:`elastic.cluster.worker_exec` instead of Ray's ``setup_worker.py`` (which
+    imports Ray, a second of CPU a worker process, before the worker imports it again).
+
+    Ray builds the workers' command from ``os.path.join(<ray>/_private/workers,
+    SETUP_WORKER_FILENAME)`` when it starts a node (``ray._private.node.Node``), so an
+    absolute path there is the script it runs. False (and nothing changed) where that
+    name is gone."""
+    from pathlib import Path
+
+    constants = ray_constants()
+    if not isinstance(getattr(constants, "SETUP_WORKER_FILENAME", None), str):
+        return False
+    constants.SETUP_WORKER_FILENAME = str(Path(__file__).with_name("worker_exec.py"))
+    return True
 
 
 def reload_auth_token() -> None:

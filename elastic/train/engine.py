@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import sys
 import threading
 from typing import Any
 
@@ -145,8 +146,9 @@ def _skip_shm_comm_op() -> None:
 def warm_imports() -> threading.Thread:
     """Import, in the background, what building the engine would import on the spot:
     DeepSpeed, torch's compiler stack (the optimizer constructor pulls it in) and
-    DeepSpeed's Muon module (its optimizer check does), ~2.8 s on a fresh worker, while
-    the worker reads its checkpoint and starts its data pipeline. Join the thread before
+    DeepSpeed's Muon module (its optimizer check does; :func:`import_muon_uncompiled`),
+    seconds of CPU on a fresh worker, while the worker reads its checkpoint and starts
+    its data pipeline. Join the thread before
     importing any of these yourself: two threads importing DeepSpeed's circular imports
     at once fail ("partially initialized module") or deadlock (both seen here)."""
 
@@ -154,7 +156,8 @@ def warm_imports() -> threading.Thread:
         try:
             import deepspeed  # noqa: F401
             import torch._dynamo  # noqa: F401
-            from deepspeed.runtime.zero.muon import muon_optimizer  # noqa: F401
+
+            import_muon_uncompiled()
         except Exception:  # only a head start: the real import reports any problem
             pass
 
@@ -163,11 +166,35 @@ def warm_imports() -> threading.Thread:
     return thread
 
 
+def import_muon_uncompiled() -> None:
+    """Import DeepSpeed's Muon optimizer module with its kernels left uncompiled.
+
+    DeepSpeed's ZeRO checks every optimizer against its Muon class (each ZeRO 1-2 step,
+    ZeRO 3 and bf16 at build), and that module ``torch.compile``s its kernels at import,
+    which imports torch's inductor: seconds of CPU in every worker process of every
+    worker group start. elastic builds only torch's SGD, Adam and AdamW
+    (:func:`_optimizer`), so the class is only ever compared against, never run: it
+    is imported as it is, its kernels plain functions. Idempotent; call it where no
+    other thread imports DeepSpeed."""
+    if "deepspeed.runtime.zero.muon.original_muon" in sys.modules:
+        return
+    from deepspeed.runtime import compiler
+
+    compile_ = compiler.compile
+    compiler.compile = lambda: lambda fn: fn  # the module's @compiler.compile()
+    try:
+        from deepspeed.runtime.zero.muon import muon_optimizer  # noqa: F401
+    finally:
+        compiler.compile = compile_
+
+
 def init_distributed(use_gpu: bool, warming: threading.Thread | None = None) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if use_gpu else "cpu")
     if warming is not None:
         warming.join()  # never import DeepSpeed in two threads at once
     import deepspeed
+
+    import_muon_uncompiled()
 
     if not use_gpu:
         _skip_shm_comm_op()
@@ -180,6 +207,7 @@ def build_engine(
 ) -> Any:
     import deepspeed
 
+    import_muon_uncompiled()
     optimizer = _optimizer(cfg, model.parameters(), cfg.optim.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step))
     engine, _, _, _ = deepspeed.initialize(
