@@ -16,17 +16,26 @@ import torch
 from ranks import free_port, spawn_ranks, start_ranks
 
 
-def test_the_cpu_shared_memory_op_is_never_built():
+def test_the_cpu_shared_memory_op_is_never_built_nor_muons_kernels_compiled():
     """DeepSpeed would JIT-build (or load under a file lock) its shared-memory op on
     every CPU init; a process killed while holding that lock stalls every later run
-    forever. The skip must reach the module TorchBackend calls it from."""
+    forever. The skip must reach the module TorchBackend calls it from. And a worker's
+    start imports DeepSpeed's Muon optimizer (ZeRO compares every optimizer against it)
+    without compiling its kernels (torch's inductor, seconds a worker process), and
+    leaves DeepSpeed's compile() as it was."""
     code = (
-        "import sys\n"
+        "import sys, torch\n"
         "from elastic.train.engine import _skip_shm_comm_op, warm_imports\n"
         "warm_imports().join()\n"
         "_skip_shm_comm_op()\n"
         "m = sys.modules['deepspeed.comm.torch']\n"
         "assert m.TorchBackend.__init__.__globals__['build_shm_op']() is None\n"
+        "from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam\n"
+        "from deepspeed.runtime.zero.muon.original_muon import muon_update\n"
+        "from deepspeed.runtime import compiler\n"
+        "assert isinstance(MuonWithAuxAdam, type) and callable(muon_update)\n"
+        "assert 'torch._inductor.compile_fx' not in sys.modules\n"
+        "assert compiler.compile() is torch.compile\n"
         "print('skipped')\n"
     )
     out = subprocess.run(

@@ -148,9 +148,9 @@ def warm_imports() -> threading.Thread:
     DeepSpeed, torch's compiler stack (the optimizer constructor pulls it in) and
     DeepSpeed's Muon module (its optimizer check does; :func:`import_muon_uncompiled`),
     seconds of CPU on a fresh worker, while the worker reads its checkpoint and starts
-    its data pipeline. Join the thread before
-    importing any of these yourself: two threads importing DeepSpeed's circular imports
-    at once fail ("partially initialized module") or deadlock (both seen here)."""
+    its data pipeline. Join the thread before importing any of these yourself: two
+    threads importing DeepSpeed's circular imports at once fail ("partially initialized
+    module") or deadlock (both seen here)."""
 
     def run() -> None:
         try:
