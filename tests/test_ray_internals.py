@@ -118,11 +118,16 @@ def test_ray_starts_the_workers_through_elastics_script_with_their_environment(r
     assert ray.get(environment.remote()) == (f"{home}/a", "b", "1")
 
 
-@pytest.mark.parametrize("prefix", [[], ["export", "C=3", "&&"]])
-def test_a_worker_start_elastic_does_not_know_goes_to_rays_own_script(tmp_path, prefix):
-    """A runtime env with more than variables (here a command prefix, as a container or a
-    conda env gives) is started by Ray's setup_worker.py, unchanged; a plain one by
-    elastic's script, in the same interpreter, with the same arguments."""
+@pytest.mark.parametrize(
+    "prefix, python",
+    [([], "{python}"), (["export", "C=3", "&&"], "{python}"), ([], "env C=3 {python}")],
+    ids=["plain", "a command prefix", "a command as the python"],
+)
+def test_a_worker_start_elastic_does_not_know_goes_to_rays_own_script(tmp_path, prefix, python):
+    """A runtime env with more than variables (a command prefix, as a container or a
+    conda env gives; a command line as the Python, as uv gives) is started by Ray's
+    setup_worker.py, unchanged; a plain one by elastic's script, in the same
+    interpreter, with the same arguments."""
     import json
     import subprocess
     import sys
@@ -130,7 +135,8 @@ def test_a_worker_start_elastic_does_not_know_goes_to_rays_own_script(tmp_path, 
 
     from elastic.cluster import worker_exec
 
-    context = {"command_prefix": prefix, "env_vars": {"A": "1"}, "py_executable": sys.executable}
+    py = python.format(python=sys.executable)
+    context = {"command_prefix": prefix, "env_vars": {"A": "1"}, "py_executable": py}
     code = "import os, sys; print(os.environ.get('A'), os.environ.get('C'), sys.argv[1:])"
     out = subprocess.run(
         [
@@ -148,5 +154,5 @@ def test_a_worker_start_elastic_does_not_know_goes_to_rays_own_script(tmp_path, 
         timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    mark = "3" if prefix else "None"  # only Ray's script runs the prefix
+    mark = "3" if prefix or py != sys.executable else "None"  # only Ray's runs the command
     assert out.stdout.strip() == f"1 {mark} ['--an-argument=x y']", out.stdout

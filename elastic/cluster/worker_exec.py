@@ -62,6 +62,8 @@ def main(argv: list[str]) -> None:
         and not context.get("java_jars")
         and set(context) <= {"command_prefix", "env_vars", "py_executable",
                              "override_worker_entrypoint", "java_jars"}
+        # a command line (uv run ...), which Ray's script hands to bash, is not a path
+        and not any(c.isspace() for c in context.get("py_executable") or "")
     )  # fmt: skip
     if not plain:
         _ray_setup_worker(argv)
