@@ -9,11 +9,12 @@ os.environ["DS_ACCELERATOR"] = "cpu"
 import deepspeed  # noqa: E402,F401
 import torch  # noqa: E402,F401
 
-# what building an engine imports on the spot, 2-3 s of a core a rank here (measured
-# 2026-12-06): torch's compiler stack (a torch optimizer's constructor imports it) and
-# DeepSpeed's Muon module (its ZeRO optimizer check does; torch's inductor with it)
+# what building an engine imports on the spot: torch's compiler stack (a torch
+# optimizer's constructor imports it) and DeepSpeed's Muon module (its ZeRO optimizer
+# check does), as a worker imports it: without compiling its kernels
 import torch._dynamo  # noqa: E402,F401
-from deepspeed.runtime.zero.muon import muon_optimizer  # noqa: E402,F401
 
 import elastic.train.checkpoint  # noqa: E402,F401
-import elastic.train.engine  # noqa: E402,F401
+from elastic.train.engine import import_muon_uncompiled  # noqa: E402
+
+import_muon_uncompiled()

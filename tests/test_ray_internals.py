@@ -4,6 +4,7 @@ the installed Ray: an upgrade that moved one fails here, naming it, not mid-run.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 import pytest
@@ -114,20 +115,25 @@ def test_ray_starts_the_workers_through_elastics_script_with_their_environment(r
 
         return tuple(os.environ.get(k) for k in ("A", "B", "ELASTIC_WORKER_EXEC"))
 
-    home = __import__("os").environ["HOME"]
+    home = os.environ["HOME"]
     assert ray.get(environment.remote()) == (f"{home}/a", "b", "1")
 
 
 @pytest.mark.parametrize(
     "prefix, python",
-    [([], "{python}"), (["export", "C=3", "&&"], "{python}"), ([], "env C=3 {python}")],
-    ids=["plain", "a command prefix", "a command as the python"],
+    [
+        ([], "{python}"),
+        (["export", "C=3", "&&"], "{python}"),
+        ([], "env C=3 {python}"),
+        ([], "{name}"),
+    ],
+    ids=["plain", "a command prefix", "a command as the python", "a name on PATH"],
 )
 def test_a_worker_start_elastic_does_not_know_goes_to_rays_own_script(tmp_path, prefix, python):
     """A runtime env with more than variables (a command prefix, as a container or a
-    conda env gives; a command line as the Python, as uv gives) is started by Ray's
-    setup_worker.py, unchanged; a plain one by elastic's script, in the same
-    interpreter, with the same arguments."""
+    conda env gives; a command line as the Python, as uv gives; a Python named for bash
+    to find on PATH) is started by Ray's setup_worker.py, unchanged; a plain one by
+    elastic's script, in the same interpreter, with the same arguments."""
     import json
     import subprocess
     import sys
@@ -135,9 +141,11 @@ def test_a_worker_start_elastic_does_not_know_goes_to_rays_own_script(tmp_path, 
 
     from elastic.cluster import worker_exec
 
-    py = python.format(python=sys.executable)
+    py = python.format(python=sys.executable, name=Path(sys.executable).name)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     context = {"command_prefix": prefix, "env_vars": {"A": "1"}, "py_executable": py}
-    code = "import os, sys; print(os.environ.get('A'), os.environ.get('C'), sys.argv[1:])"
+    variables = "os.environ.get('A'), os.environ.get('C'), os.environ.get('ELASTIC_WORKER_EXEC')"
+    code = f"import os, sys; print({variables}, sys.argv[1:])"
     out = subprocess.run(
         [
             sys.executable,
@@ -151,8 +159,12 @@ def test_a_worker_start_elastic_does_not_know_goes_to_rays_own_script(tmp_path, 
         capture_output=True,
         text=True,
         cwd=tmp_path,
+        env=env,
         timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    mark = "3" if prefix or py != sys.executable else "None"  # only Ray's runs the command
-    assert out.stdout.strip() == f"1 {mark} ['--an-argument=x y']", out.stdout
+    ours = not prefix and py == sys.executable
+    c = "3" if "C=3" in " ".join([*prefix, py]) else "None"
+    assert out.stdout.strip() == f"1 {c} {'1' if ours else 'None'} ['--an-argument=x y']", (
+        out.stdout
+    )

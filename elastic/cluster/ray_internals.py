@@ -157,7 +157,8 @@ def ray_constants() -> Any:
 
 def fast_worker_start() -> bool:
     """Have the Ray nodes this process starts (``ray.init`` of an embedded cluster,
-    ``ray start``, ``ray.cluster_utils.Cluster``) start their Python workers through
+    ``ray start``, ``ray.cluster_utils.Cluster``; Ray's client server too) start their
+    Python workers through
     :mod:`elastic.cluster.worker_exec` instead of Ray's ``setup_worker.py`` (which
     imports Ray, a second of CPU a worker process, before the worker imports it again).
 
@@ -170,7 +171,7 @@ def fast_worker_start() -> bool:
     constants = ray_constants()
     if not isinstance(getattr(constants, "SETUP_WORKER_FILENAME", None), str):
         return False
-    constants.SETUP_WORKER_FILENAME = str(Path(__file__).with_name("worker_exec.py"))
+    constants.SETUP_WORKER_FILENAME = str(Path(__file__).resolve().with_name("worker_exec.py"))
     return True
 
 

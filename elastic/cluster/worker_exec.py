@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import sys
 
 CONTEXT, LANGUAGE = "--serialized-runtime-env-context", "--language"
@@ -37,6 +38,13 @@ def _split(argv: list[str]) -> tuple[dict[str, str], list[str]]:
         else:
             rest.append(arg)
     return ours, rest
+
+
+def _a_path(python: str) -> bool:
+    """``python`` is an absolute path with nothing for a shell to do: Ray's script hands
+    it to bash (a command line such as ``uv run ...``, a name found on PATH, ``~`` or
+    ``$VAR`` in it), elastic's execs it as it is."""
+    return os.path.isabs(python) and shlex.quote(python) == python
 
 
 def _ray_setup_worker(argv: list[str]) -> None:
@@ -62,8 +70,7 @@ def main(argv: list[str]) -> None:
         and not context.get("java_jars")
         and set(context) <= {"command_prefix", "env_vars", "py_executable",
                              "override_worker_entrypoint", "java_jars"}
-        # a command line (uv run ...), which Ray's script hands to bash, is not a path
-        and not any(c.isspace() for c in context.get("py_executable") or "")
+        and _a_path(context.get("py_executable") or sys.executable)
     )  # fmt: skip
     if not plain:
         _ray_setup_worker(argv)

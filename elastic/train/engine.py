@@ -181,7 +181,7 @@ def import_muon_uncompiled() -> None:
     from deepspeed.runtime import compiler
 
     compile_ = compiler.compile
-    compiler.compile = lambda: lambda fn: fn  # the module's @compiler.compile()
+    compiler.compile = lambda *args, **kwargs: lambda fn: fn  # @compiler.compile()
     try:
         from deepspeed.runtime.zero.muon import muon_optimizer  # noqa: F401
     finally:
