@@ -29,11 +29,11 @@ def ray_session():
     import ray
 
     from elastic.cluster.bootstrap import WORKER_POOL
-    from elastic.cluster.connect import WORKER_ENV
+    from elastic.cluster.connect import USAGE_STATS, WORKER_ENV
     from elastic.cluster.ray_internals import fast_worker_start
 
     fast_worker_start()  # as elastic's own Ray clusters
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault(USAGE_STATS, "0")
     ray.init(
         address="local",
         num_cpus=4,

@@ -194,8 +194,6 @@ def init_distributed(use_gpu: bool, warming: threading.Thread | None = None) -> 
         warming.join()  # never import DeepSpeed in two threads at once
     import deepspeed
 
-    import_muon_uncompiled()
-
     if not use_gpu:
         _skip_shm_comm_op()
     # Ray Train already created the process group; DeepSpeed wraps it.
