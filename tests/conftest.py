@@ -13,6 +13,22 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+def own_processes(title: str, root: int | None = None) -> list[int]:
+    """Pids of the processes under ``root`` (default: this test process, whose session
+    Ray cluster is its child) whose title starts with ``title``. Not the machine's:
+    other Ray clusters may run beside the suite (another user's, another suite's)."""
+    import psutil
+
+    found = []
+    for p in psutil.Process(root).children(recursive=True):
+        try:
+            if (p.cmdline() or [""])[0].startswith(title):
+                found.append(p.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory):
     """1,000 training rows (not a multiple of the batch: the last step is partial)."""
@@ -28,11 +44,12 @@ def ray_session():
     """A real embedded Ray cluster shared by the end-to-end tests (start-up is seconds)."""
     import ray
 
-    from elastic.cluster.bootstrap import WORKER_POOL
+    from elastic.cluster.bootstrap import WORKER_POOL, quiet_log_monitor
     from elastic.cluster.connect import USAGE_STATS, WORKER_ENV
     from elastic.cluster.ray_internals import fast_worker_start
 
-    fast_worker_start()  # as elastic's own Ray clusters
+    fast_worker_start()  # as elastic's own Ray clusters: fast worker starts, a log
+    quiet_log_monitor()  # monitor that lists its folder twice a second, not ten times
     os.environ.setdefault(USAGE_STATS, "0")
     ray.init(
         address="local",

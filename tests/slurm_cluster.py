@@ -159,9 +159,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 # a requeued job may start again after this many seconds (default 120)
-AuthInfo=cred_expire=20
+AuthInfo=cred_expire=8
 # backfill every 5 s (default 30): a requeued job starts soon after it may
-SchedulerParameters=bf_interval=5
+SchedulerParameters=bf_interval=1
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none

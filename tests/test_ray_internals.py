@@ -55,15 +55,21 @@ def test_the_trainer_keeps_no_dataset_manager_process_for_datasets_it_has_none_o
 
     from elastic.train.trainer import interruptible
 
+    test = os.getpid()  # the session cluster's processes are its descendants
+
     def alive() -> set[int]:
-        """The pids of the Ray Train dataset managers alive now."""
+        """The pids of the session cluster's Ray Train dataset managers alive now (not
+        the machine's: another Ray cluster may run beside the suite)."""
         import psutil
 
-        return {
-            p.pid
-            for p in psutil.process_iter(["cmdline"])
-            if (p.info["cmdline"] or [""])[0].startswith("ray::DatasetManager")
-        }
+        found = set()
+        for p in psutil.Process(test).children(recursive=True):
+            try:
+                if (p.cmdline() or [""])[0].startswith("ray::DatasetManager"):
+                    found.add(p.pid)
+            except psutil.Error:
+                continue
+        return found
 
     def dataset_managers(config: dict) -> None:
         """Rank 0 writes :func:`alive` while its worker group runs."""
