@@ -16,9 +16,10 @@ import pytest
 import torch
 from conftest import train
 
-from elastic.cluster.localcluster import REPO
 from elastic.datasets.cbed import MATERIALS, STRUCTURES, THICKNESS_UNIT_NM, Settings, synthetic
-from elastic.models.losses import MetricSums, per_sample_loss
+from elastic.models.resnet import ResNetConfig
+from elastic.tasks import MetricSums, task_of
+from elastic_harness.localcluster import REPO
 
 PREPARE = str(REPO / "datasets" / "cbed" / "prepare.py")
 
@@ -111,10 +112,11 @@ def test_multitask_loss_and_metrics():
     """First `classes` outputs are logits, the rest regress target[:, 1:]."""
     out = torch.tensor([[5.0, 0.0, 0.0, 1.0], [0.0, 5.0, 0.0, 3.0], [5.0, 0.0, 0.0, 0.0]])
     y = torch.tensor([[0.0, 1.0], [1.0, 2.0], [2.0, 1.0]])
-    losses = per_sample_loss("multitask", out, y, classes=3)
+    task = task_of(ResNetConfig(task="multitask", output_dim=4, classes=3))
+    losses = task.losses(out, y)
     ce = torch.nn.functional.cross_entropy(out[:, :3], y[:, 0].long(), reduction="none")
     torch.testing.assert_close(losses, ce + (out[:, 3] - y[:, 1]) ** 2)
-    sums = MetricSums("multitask", 4, classes=3)
+    sums = MetricSums(task)
     sums.add(out, y, losses)
     m = sums.metrics()
     assert m["accuracy"] == pytest.approx(2 / 3)

@@ -9,7 +9,7 @@ from conftest import train
 
 from elastic.datasets.protein import synthetic
 from elastic.models.cvae import CVAEConfig
-from elastic.models.losses import MetricSums, per_sample_loss
+from elastic.tasks import MetricSums, task_of
 
 
 def test_the_vae_reads_and_writes_upper_triangles_of_symmetric_maps():
@@ -22,21 +22,22 @@ def test_the_vae_reads_and_writes_upper_triangles_of_symmetric_maps():
     model.eval()  # the mean of the code, no sampling: the same map gives the same logits
     torch.testing.assert_close(model(x), model(x))
     # the loss is cross entropy + beta KL, both per contact value
-    losses = per_sample_loss("vae", out, x, beta=1.0)
+    vae = task_of(cfg)
+    losses = vae.losses(out, x)
     assert losses.shape == (5,) and bool((losses > 0).all())
     # a few steps on one batch lower it, and the metrics read contacts back
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    first = per_sample_loss("vae", model(x), x).mean().item()
+    first = vae.losses(model(x), x).mean().item()
     for _ in range(30):
         opt.zero_grad()
-        per_sample_loss("vae", model(x), x).mean().backward()
+        vae.losses(model(x), x).mean().backward()
         opt.step()
     model.eval()
     out = model(x)
-    last = per_sample_loss("vae", out, x)
+    last = vae.losses(out, x)
     assert last.mean().item() < 0.7 * first
-    sums = MetricSums("vae", cfg.output_dim)
+    sums = MetricSums(vae)
     sums.add(out, x, last)
     m = sums.metrics()
     assert set(m) == {"loss", "samples", "bce", "kl", "f1"} and m["samples"] == 5

@@ -21,9 +21,12 @@ from elastic.data.footers import footer, integer_ranges
 from elastic.data.shards import ID_COLUMN, list_shards
 from elastic.errors import ConfigError
 from elastic.plugins import load_plugins
+from elastic.registry import Registry
+from elastic.tasks import task_of
 
 if TYPE_CHECKING:
     from elastic.config.schema import DataConfig
+    from elastic.models.base import ModelConfig
 
 Decoder = Callable[..., dict[str, np.ndarray]]
 """(Arrow batch, input_column=, target_column=, **kwargs) -> {"sample_id", "x", "y"}."""
@@ -95,76 +98,52 @@ class DataFormat:
         field_type = footer(files[0]).schema.field(cfg.input_column).type
         return field_type.list_size if pa.types.is_fixed_size_list(field_type) else None
 
-    def input_shape(self, cfg: DataConfig, model: Any) -> tuple[int, ...] | None:
+    def input_shape(self, cfg: DataConfig, model: ModelConfig) -> tuple[int, ...] | None:
         """One row's input as the model takes it (after the finisher), where the format
         fixes it: checked against the decoded rows before Ray starts. None: whatever
         the decoder gives (the default, unless the model takes flat vectors of
         ``input_dim``)."""
-        width = getattr(model, "input_dim", None)
+        width = model.input_dim
         return (width,) if width else None
 
-    def target_shape(self, cfg: DataConfig, model: Any) -> tuple[tuple[int, ...], Any] | None:
+    def target_shape(
+        self, cfg: DataConfig, model: ModelConfig
+    ) -> tuple[tuple[int, ...], Any] | None:
         """One row's target shape and dtype as decoded, checked against the decoded rows
         before Ray starts (for a shape, only its number of values: a regression target of
-        one value may be a scalar). By the model's task: classification, one integer
-        class label (shape ``()``, int64); multitask, ``[class, regressed values...]``;
+        one value may be a scalar). The default is the task's
+        (:meth:`elastic.tasks.Task.target_shape`): classification, one integer class
+        label (shape ``()``, int64); multitask, ``[class, regressed values...]``;
         regression, ``output_dim`` floats. None: not checked."""
-        outputs = getattr(model, "output_dim", 1)
-        if model.task == "classification":
-            return (), np.int64
-        if model.task == "multitask":
-            return (outputs - model.classes + 1,), np.float32
-        return (outputs,), np.float32
+        return task_of(model).target_shape()
 
-    def check(self, cfg: DataConfig, model: Any) -> None:
+    def check(self, cfg: DataConfig, model: ModelConfig) -> None:
         """Config errors of this format with this model (raise ConfigError)."""
-        if getattr(model, "input_size", None) == 0:
+        if model.takes_images:
             raise ConfigError(
                 f"model={model.name} takes images but data.format=array gives flat rows: set "
                 "model.input_size (rows of model.in_channels x input_size^2 values) or use "
                 "image data"
             )
 
-    def check_target(self, cfg: DataConfig, model: Any, files: list[str]) -> None:
+    def check_target(self, cfg: DataConfig, model: ModelConfig, files: list[str]) -> None:
         """The target column against the model's task and outputs, from the shards'
         footers (types, and the labels' range from row-group statistics): a mismatch
         would otherwise fail at the first step, on every worker, on every retry."""
-        task, outputs = model.task, getattr(model, "output_dim", 1)
-        if task == "vae":
-            return  # the input is the target
+        task = task_of(model)
+        if task.target_is_input:
+            return
         col, where = cfg.target_column, f"column {cfg.target_column!r} in {cfg.path}"
         field_type = footer(files[0]).schema.field(col).type
-        is_list = pa.types.is_fixed_size_list(field_type)
-        value_type = field_type.value_type if is_list else field_type
-        width = field_type.list_size if is_list else 1
-        if task == "classification":
-            if is_list or not pa.types.is_integer(value_type):
-                raise ConfigError(
-                    f"model.task=classification needs one integer class label per row, but "
-                    f"{where} holds {field_type}: write integer labels, or set model.task"
-                )
-            low, high = _integer_range(files, col)
-            if low is not None and high is not None and (low < 0 or high >= outputs):
-                raise ConfigError(
-                    f"{where} holds class labels {low}..{high} but model.output_dim={outputs} "
-                    f"gives classes 0..{outputs - 1}: set model.output_dim={high + 1}"
-                )
-            return
-        if not (pa.types.is_floating(value_type) or pa.types.is_integer(value_type)):
-            raise ConfigError(f"model.task={task} needs numbers, but {where} holds {field_type}")
-        expected = outputs - model.classes + 1 if task == "multitask" else outputs
-        if task == "regression" and pa.types.is_integer(value_type) and not is_list:
+        task.check_target_type(field_type, where)
+        classes = task.classes()
+        if not classes or pa.types.is_fixed_size_list(field_type):
+            return  # labels inside lists have no statistics: the workers check each step's
+        low, high = _integer_range(files, col)
+        if low is not None and high is not None and (low < 0 or high >= classes):
             raise ConfigError(
-                f"model.task=regression but {where} holds integer labels ({field_type}): for "
-                "classes set model.task=classification and model.output_dim to their number; "
-                "to regress them write the column as floats"
-            )
-        if width != expected:
-            what = "[class, regressed values...]" if task == "multitask" else "values"
-            raise ConfigError(
-                f"{where} holds {width} target value(s) a row but model={model.name} "
-                f"(task={task}, output_dim={outputs}) needs {expected} {what}: set "
-                "model.output_dim to match the data"
+                f"{where} holds class labels {low}..{high} but model.output_dim={task.outputs} "
+                f"gives {task.label_range()}: {task.label_fix(high)}"
             )
 
     def missing_hint(self, cfg: DataConfig) -> str | None:
@@ -202,14 +181,15 @@ def _integer_range(files: list[str], column: str) -> tuple[int | None, int | Non
     return low, high
 
 
-FORMATS: dict[str, DataFormat] = {"array": DataFormat()}
+FORMATS: Registry[DataFormat] = Registry("data format", "data.format")
+FORMATS.add("array", DataFormat())
 
 
 def register_format(fmt: DataFormat) -> DataFormat:
     """Make ``fmt`` the format of ``data.format=fmt.name`` (and, if it declares settings,
-    the owner of the ``data.<name>.*`` keys: :func:`elastic.config.compose.train_schema`)."""
-    FORMATS[fmt.name] = fmt
-    return fmt
+    the owner of the ``data.<name>.*`` keys: :func:`elastic.config.compose.train_schema`).
+    A name already taken by another format is refused."""
+    return FORMATS.add(fmt.name, fmt)
 
 
 def data_format(name: str) -> DataFormat:
@@ -219,7 +199,7 @@ def data_format(name: str) -> DataFormat:
     if name not in FORMATS:
         raise ConfigError(
             f"data.format={name!r} is not valid: use one of {', '.join(sorted(FORMATS))}, or "
-            "register your own (a plugin: README 'Bring your own dataset or model')"
+            "register your own (a plugin: README 'Bring your own dataset, model or task')"
         )
     return FORMATS[name]
 

@@ -34,6 +34,7 @@ from elastic.errors import (
     user_code,
     user_code_site,
 )
+from elastic.tasks import task_of
 
 PROBE_ROWS = 4
 """Rows of the first shard run through the decoder, the model and the loss."""
@@ -157,7 +158,7 @@ def _check_declared(fmt: DataFormat, cfg: TrainConfig, x: np.ndarray, y: np.ndar
         )
     with user_code(f"data.format={fmt.name}'s target_shape()", "fix the format"):
         target = fmt.target_shape(cfg.data, cfg.model)
-    if target is None or cfg.model.task == "vae":
+    if target is None or task_of(cfg.model).target_is_input:
         return
     shape, _ = target  # the dtype: class labels are checked by value (_check_targets)
     if int(np.prod(shape)) != int(np.prod(y.shape[1:])):
@@ -169,32 +170,23 @@ def _check_declared(fmt: DataFormat, cfg: TrainConfig, x: np.ndarray, y: np.ndar
 
 
 def _check_targets(cfg: TrainConfig, y: np.ndarray, ids: np.ndarray, who: str) -> None:
-    """The rows' targets against the task: one class label a row, within the model's
-    classes."""
-    from elastic.models.losses import bad_labels, label_range
-
-    model = cfg.model
-    if model.task == "classification" and y.ndim != 1:
-        raise ConfigError(
-            f"{who} returns targets of shape {shape_text(y.shape[1:])} a row, but "
-            "task=classification takes one class label a row (y of shape [rows])"
-        )
-    bad = bad_labels(model.task, y, model.output_dim, getattr(model, "classes", 0))
+    """The rows' targets against the task: its own checks (classification: one class
+    label a row), class labels within the model's classes."""
+    model, task = cfg.model, task_of(cfg.model)
+    task.check_rows(y, who)
+    bad = task.bad_labels(y)
     if bad.any():
         label = y.reshape(len(y), -1)[bad, 0][0]
         raise ConfigError(
             f"{who} returns class label {label!r} for sample_id {ids[bad][0]} in "
-            f"data.path={cfg.data.path}, but model={model.name} has "
-            f"{label_range(model.task, model.output_dim, getattr(model, 'classes', 0))}: fix "
-            "the labels or model.output_dim"
+            f"data.path={cfg.data.path}, but model={model.name} has {task.label_range()}: "
+            "fix the labels or model.output_dim"
         )
 
 
 def _check_model(cfg: TrainConfig, x: np.ndarray, y: np.ndarray) -> None:
     """The model's forward pass on the rows, and the task's loss on its outputs."""
     import torch
-
-    from elastic.models.losses import per_sample_loss
 
     model_cfg = cfg.model
     fix = "fix the model family's build()"
@@ -216,17 +208,10 @@ def _check_model(cfg: TrainConfig, x: np.ndarray, y: np.ndarray) -> None:
         ) from None
     if device == "meta":
         return
-    target = torch.tensor(y)
-    if model_cfg.task == "vae":
-        target = inputs
+    task = task_of(model_cfg)
+    target = inputs if task.target_is_input else torch.tensor(y)
     try:
-        losses = per_sample_loss(
-            model_cfg.task,
-            output,
-            target,
-            getattr(model_cfg, "classes", 0),
-            getattr(model_cfg, "beta", 1.0),
-        )
+        losses = task.losses(output, target)
         if tuple(losses.shape) != (len(x),):
             raise ValueError(f"one loss a row expected, got shape {tuple(losses.shape)}")
     except Exception as e:

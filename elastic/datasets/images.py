@@ -21,6 +21,7 @@ from elastic.data.footers import footer
 from elastic.data.formats import DataFormat, register_format
 from elastic.data.shards import in_val, write_split
 from elastic.errors import ConfigError, DataError
+from elastic.models.base import ImageModelConfig
 
 EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 
@@ -272,18 +273,18 @@ class ImageFormat(DataFormat):
             raise ConfigError(
                 f"data.image.augment_shift={d.augment_shift} is not valid: use 0..{d.size // 2 - 1}"
             )
-        channels = getattr(model, "in_channels", None)
-        if channels is None:
+        if not isinstance(model, ImageModelConfig):
             raise ConfigError(
-                f"data.format=image needs an image model, not model={getattr(model, 'name', '?')}"
-                ": use model=resnet or model=vit"
+                f"data.format=image needs an image model, not model={model.name}: use "
+                "model=resnet or model=vit"
             )
+        channels = model.in_channels
         if channels != d.channels:
             raise ConfigError(
                 f"model.in_channels={channels} but data.image.channels={d.channels}: "
                 "make them equal"
             )
-        side = getattr(model, "image_size", None)  # models whose shape depends on the side
+        side = model.image_size  # models whose shape depends on the side
         if side is not None and not model.input_size and side != d.size:
             raise ConfigError(
                 f"model.image_size={side} but data.image.size={d.size}: make them equal"

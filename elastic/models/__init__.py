@@ -1,37 +1,43 @@
 """Model families, one module each, and the registry that names them.
 
-A family is a typed config (a dataclass: its keys are ``model.*``) that builds its
-``torch.nn.Module`` and knows its task. ``MODEL_SCHEMAS`` maps ``model=NAME`` to it; Hydra
-type-checks ``conf/model/NAME.yaml`` against it.
+A family is a typed config (a dataclass subclassing :class:`ModelConfig`: its fields
+are the ``model.*`` keys) that builds its ``torch.nn.Module`` and names its task.
+``MODEL_SCHEMAS`` maps ``model=NAME`` to it; Hydra type-checks ``conf/model/NAME.yaml``
+against it.
 """
 
 from __future__ import annotations
 
+from elastic.models.base import ImageModelConfig, ModelConfig
 from elastic.models.cvae import CVAEConfig
 from elastic.models.mlp import MLPConfig
 from elastic.models.resnet import ResNetConfig
 from elastic.models.vit import ViTConfig
+from elastic.registry import Registry
 
-MODEL_SCHEMAS: dict[str, type] = {
-    "mlp": MLPConfig,
-    "resnet": ResNetConfig,
-    "vit": ViTConfig,
-    "cvae": CVAEConfig,
-}
+MODEL_SCHEMAS: Registry[type[ModelConfig]] = Registry("model", "model")
+for _schema in (MLPConfig, ResNetConfig, ViTConfig, CVAEConfig):
+    MODEL_SCHEMAS.add(_schema.name, _schema)
 
 
 def register_model(schema: type) -> type:
-    """Make the dataclass ``schema`` the family ``model=<its name default>`` (a plugin's
-    model). It must have the keys ``name``, ``task`` (one of
-    :data:`~elastic.models.losses.TASKS`) and ``output_dim``, and the methods
-    ``validate()`` (raise :class:`~elastic.errors.ConfigError`) and ``build() ->
-    torch.nn.Module``; ``input_dim`` if it takes flat vectors (checked against the data).
-    Usable as a class decorator."""
+    """Make the dataclass ``schema`` (a :class:`ModelConfig` subclass) the family
+    ``model=<its name default>`` (a plugin's model). It must give ``name``, ``task`` (a
+    registered task, :mod:`elastic.tasks`) and ``output_dim``, and ``build() ->
+    torch.nn.Module``; ``validate()`` checks its own keys (raise
+    :class:`~elastic.errors.ConfigError`), ``input_dim`` if it takes flat vectors
+    (checked against the data). Usable as a class decorator."""
+    from dataclasses import is_dataclass
+
     name = getattr(schema, "name", None)
-    missing = [
-        k for k in ("name", "task", "output_dim", "validate", "build") if not hasattr(schema, k)
-    ]
-    if not isinstance(name, str) or missing:
-        raise TypeError(f"model schema {schema.__name__} lacks {', '.join(missing) or 'a name'}")
-    MODEL_SCHEMAS[name] = schema
-    return schema
+    if not (isinstance(schema, type) and issubclass(schema, ModelConfig) and is_dataclass(schema)):
+        raise TypeError(
+            f"model schema {getattr(schema, '__name__', schema)!r} must be a dataclass "
+            "subclassing elastic.models.ModelConfig"
+        )
+    if not isinstance(name, str):
+        raise TypeError(f"model schema {schema.__name__} lacks a name (a str default)")
+    return MODEL_SCHEMAS.add(name, schema)
+
+
+__all__ = ["MODEL_SCHEMAS", "ImageModelConfig", "ModelConfig", "register_model"]

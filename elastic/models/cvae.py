@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from elastic.models.base import ModelConfig
+
 
 class _ContactVAE(nn.Module):
     """Convolutional VAE on a symmetric n x n contact map given as its upper triangle
@@ -60,7 +62,7 @@ class _ContactVAE(nn.Module):
 
 
 @dataclass
-class CVAEConfig:
+class CVAEConfig(ModelConfig):
     """A convolutional variational autoencoder on contact maps (data.format=contacts),
     as in the protein-folding work (Bhowmik et al., BMC Bioinformatics 2018)."""
 

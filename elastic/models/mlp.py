@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from elastic.models.losses import TASKS
+from elastic.models.base import ModelConfig
 
 
 @dataclass
-class MLPConfig:
+class MLPConfig(ModelConfig):
     """A multi-layer perceptron on a flat input vector."""
 
     name: str = "mlp"
@@ -22,15 +22,11 @@ class MLPConfig:
     def validate(self) -> None:
         from elastic.errors import ConfigError
 
-        if self.task not in TASKS:
-            raise ConfigError(f"model.task={self.task!r} is not valid: use one of {TASKS}")
         for key in ("input_dim", "output_dim"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"model.{key}={getattr(self, key)} is not valid: must be >= 1")
         if any(h < 1 for h in self.hidden_dims):
             raise ConfigError(f"model.hidden_dims={self.hidden_dims} is not valid: all >= 1")
-        if self.task == "classification" and self.output_dim < 2:
-            raise ConfigError("model.output_dim must be >= 2 (classes) for classification")
 
     def build(self) -> nn.Module:
         dims = [self.input_dim, *self.hidden_dims]

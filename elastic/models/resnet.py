@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from elastic.models.image import LogIntensity, check_image_model
+from elastic.models.base import ImageModelConfig
+from elastic.models.image import LogIntensity
 
 
 class _Block(nn.Module):
@@ -34,7 +35,7 @@ class _Block(nn.Module):
 
 
 @dataclass
-class ResNetConfig:
+class ResNetConfig(ImageModelConfig):
     """A small ResNet on [N, C, H, W] images: a 3x3 stem, one stage per width (each
     after the first halves the resolution), global average pooling, a linear head."""
 
@@ -54,15 +55,10 @@ class ResNetConfig:
     """Feed log(1 + x * H * W): for intensities normalised to sum 1 (diffraction
     patterns), whose dynamic range spans decades."""
 
-    @property
-    def input_dim(self) -> int | None:
-        """Width of a flat input row, when the model takes flat rows."""
-        return self.in_channels * self.input_size**2 if self.input_size else None
-
     def validate(self) -> None:
         from elastic.errors import ConfigError
 
-        check_image_model(self)
+        super().validate()
         if self.blocks_per_stage < 1:
             raise ConfigError(f"model.blocks_per_stage={self.blocks_per_stage}: must be >= 1")
         if not self.widths or any(w < 1 for w in self.widths):

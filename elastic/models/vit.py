@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from elastic.models.image import LogIntensity, check_image_model
+from elastic.models.base import ImageModelConfig
+from elastic.models.image import LogIntensity
 
 
 class _ViT(nn.Module):
@@ -42,7 +43,7 @@ class _ViT(nn.Module):
 
 
 @dataclass
-class ViTConfig:
+class ViTConfig(ImageModelConfig):
     """A Vision Transformer on [N, C, H, W] images (or flat rows of them): non-overlapping
     patches, a class token, pre-norm encoder blocks, a linear head on the class token.
     The default is small enough for a CPU run; ``dim=1024 depth=24 heads=16`` is ViT-L
@@ -70,14 +71,10 @@ class ViTConfig:
     def side(self) -> int:
         return self.input_size or self.image_size
 
-    @property
-    def input_dim(self) -> int | None:
-        return self.in_channels * self.input_size**2 if self.input_size else None
-
     def validate(self) -> None:
         from elastic.errors import ConfigError
 
-        check_image_model(self)
+        super().validate()
         for key in ("image_size", "patch_size", "dim", "depth", "heads"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"model.{key}={getattr(self, key)} is not valid: must be >= 1")
