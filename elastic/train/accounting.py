@@ -128,3 +128,15 @@ def _compressible(bitmap: np.ndarray, chunks: int = 16, chunk_bytes: int = 4096)
         at = np.linspace(0, bitmap.nbytes - chunk_bytes, chunks).astype(np.int64)
         sample = b"".join(bitmap[a : a + chunk_bytes].tobytes() for a in at)
     return len(zlib.compress(sample, 1)) < 0.8 * max(1, len(sample))
+
+
+def gather_ledger(ledger: SampleLedger, rank: int, world: int) -> None:
+    """Collective (a gather to rank 0): every rank's sample ids noted since the last
+    gather, merged into rank 0's ledger."""
+    import torch.distributed as dist
+
+    mine = ledger.take_pending()
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if gathered is not None:
+        ledger.merge(gathered)

@@ -28,7 +28,11 @@ def parameters_finite(engine: Any) -> bool:
 
 
 class Divergence:
-    def __init__(self) -> None:
+    """One rank's findings in a group of ``world`` ranks training on ``data_path`` at
+    learning rate ``lr`` (what the message names)."""
+
+    def __init__(self, world: int, data_path: str, lr: float) -> None:
+        self.world, self.data_path, self.lr = world, data_path, lr
         # what went non-finite on this rank (None: nothing yet)
         self.found: dict[str, Any] | None = None
 
@@ -51,8 +55,14 @@ class Divergence:
         dist.all_reduce(flag)
         return bool(flag.item())
 
-    def stop(self, world: int, data_path: str, lr: float) -> None:
+    def check_and_stop(self, engine: Any, step: int, device: torch.device) -> None:
+        """Collective: :meth:`check`, then :meth:`stop` if any rank found anything."""
+        if self.check(engine, step, device):
+            self.stop()
+
+    def stop(self) -> None:
         """Collective: raise the same :class:`DivergedError` on every rank."""
+        world, data_path, lr = self.world, self.data_path, self.lr
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, self.found)
         seen = [f for f in gathered if f is not None]
