@@ -11,7 +11,7 @@
     python launch/bench.py scale [--quick] [--worlds 2 4 8 16 24] [--points bench-scale.json]
     python launch/bench.py all [--quick] [--skip NAME ...]
 
-Each benchmark, what it measures and its targets: its module in elastic/bench/ (the
+Each benchmark, what it measures and its targets: its module in elastic_bench/ (the
 method and results: docs/performance.md). Each writes bench-NAME.json; ``all`` runs
 overhead, ingest, recovery, chaos, hetero, memory and scale and writes the table to
 bench-all.md and bench-all.json (--quick: fewer rounds and steps).
@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from elastic.bench.table import ALL_ORDER, BENCHES, run_all
+from elastic_bench.table import ALL_ORDER, BENCHES, run_all
 
 
 def main() -> None:

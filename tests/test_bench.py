@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic.bench.gpu import VIT_L, flops_per_sample
-from elastic.bench.table import markdown_table
-from elastic.cluster.localcluster import REPO
+from elastic_bench.gpu import VIT_L, flops_per_sample
+from elastic_bench.table import markdown_table
+from elastic_harness.localcluster import REPO
 
 BENCH = str(REPO / "launch" / "bench.py")
 
@@ -66,7 +66,7 @@ def test_the_table_judges_each_figure_by_its_benchmarks_own_target():
     """One definition per target: the `bench all` table's target and verdict come from the
     benchmark module's constant (a ratio just above it is not met; a step-time ratio
     under it whose 95% interval reaches over it is not met either)."""
-    from elastic.bench import ingest, overhead
+    from elastic_bench import ingest, overhead
 
     target = overhead.STEP_RATIO_TARGET
     zero0 = {  # under the target, but its 95% interval reaches over it
@@ -110,7 +110,7 @@ def test_the_table_judges_each_figure_by_its_benchmarks_own_target():
 
 
 def test_startup_phases_are_read_from_a_runs_records():
-    from elastic.bench.startup import phases
+    from elastic_bench.startup import phases
 
     records = [
         {"event": "session_start", "time": 100.0},
@@ -135,7 +135,7 @@ def test_the_overhead_interval_is_students_t_over_the_rounds_log_ratios():
     import math
 
     stats = pytest.importorskip("scipy.stats")
-    from elastic.bench.overhead import ratio_interval
+    from elastic_bench.overhead import ratio_interval
 
     ratios = [1.14, 1.09, 1.21, 1.12, 1.17]
     logs = [math.log(r) for r in ratios]
@@ -174,7 +174,7 @@ def test_a_hetero_round_faster_than_its_ideal_is_refused_and_left_out_of_the_ver
     a round whose rebalanced run beats it has alone runs that are no reference: refused
     in one line, named in the JSON, left out of the figures; with no valid round, no
     figure and no verdict ("met" False, the table says refused)."""
-    from elastic.bench import hetero
+    from elastic_bench import hetero
 
     good = hetero._round(_hetero_runs(24_000, 32_000, 23_000, 12_500))
     beyond = hetero._round(_hetero_runs(24_000, 43_000, 25_000, 12_600))
@@ -214,7 +214,7 @@ def test_the_bench_slows_a_process_down_and_undoes_it(method):
 
     import psutil
 
-    from elastic.cluster.localcluster import CPU_CGROUP, Slowdown, Throttle
+    from elastic_harness.localcluster import CPU_CGROUP, Slowdown, Throttle
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("slowing one process down needs 2 CPUs")
@@ -250,7 +250,7 @@ def test_the_bench_slows_a_process_down_and_undoes_it(method):
 def test_each_overhead_round_runs_elastic_next_to_its_peer_and_every_other_round_reversed():
     """A machine whose speed drifts over minutes slows both runs of a pair run one after
     the other alike; reversing every other round leaves a steady drift with neither side."""
-    from elastic.bench.overhead import round_order
+    from elastic_bench.overhead import round_order
 
     for stages in ([0, 2], [2, 0], [0, 1, 2, 3], [2]):
         first, second = round_order(stages, 0), round_order(stages, 1)
@@ -280,7 +280,7 @@ def test_each_overhead_round_runs_elastic_next_to_its_peer_and_every_other_round
 
 
 def test_an_overhead_variant_runs_next_to_the_same_peer_as_the_default():
-    from elastic.bench.overhead import parse_variants, round_order
+    from elastic_bench.overhead import parse_variants, round_order
 
     for stages in ([0, 2], [2], [0]):
         order = round_order(stages, 0, ("overlap",))
@@ -307,7 +307,7 @@ def test_a_peers_step_time_is_the_median_of_its_10_step_intervals_as_elastics_is
     """The overhead peers read their step time as an elastic run's is read: the median
     seconds a step over 10-step intervals from the end of warm-up (one slow interval,
     a hiccup, does not move it; the mean, kept beside it, takes it in)."""
-    from elastic.bench import common
+    from elastic_bench import common
 
     # the clock each step begins at: 0.1 s a step, but steps 30-39 take 1.0 s each
     starts, t = {}, 0.0

@@ -12,11 +12,12 @@ import shutil
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from elastic.cluster import bootstrap
-from elastic.cluster.localcluster import REPO
+from elastic_harness.localcluster import REPO
 
 SCRIPTS = [
     REPO / "launch" / "slurm" / "train.sbatch",
@@ -144,13 +145,13 @@ def test_job_scripts_parse_and_pass_shellcheck(script):
 
 def test_ray_start_uses_only_the_claimed_ports_and_no_open_dashboard():
     s = bootstrap.JobSettings("7", "slurm", ["n1", "n2"], "0-ab")
-    head = bootstrap.ray_start_cmd(s, "10.0.0.1", 12000, bootstrap.Path("/tmp/ej7-n1"))
+    head = bootstrap.ray_start_cmd(s, "10.0.0.1", 12000, Path("/tmp/ej7-n1"))
     ports = [int(a.split("=")[1]) for a in head if a.split("=")[0].endswith("port")]
     assert len(ports) == len(bootstrap.PORT_NAMES) + 2  # + the worker port range
     assert all(12000 <= p < 12000 + bootstrap.PORT_BLOCK for p in ports)
     assert "--include-dashboard=false" in head and "--dashboard-host=127.0.0.1" in head
     assert "--node-ip-address=10.0.0.1" in head and "--head" in head
-    node = bootstrap.ray_start_cmd(s, "10.0.0.2", 12200, bootstrap.Path("/t"), "10.0.0.1:12000")
+    node = bootstrap.ray_start_cmd(s, "10.0.0.2", 12200, Path("/t"), "10.0.0.1:12000")
     assert "--address=10.0.0.1:12000" in node and "--head" not in node
     assert not [a for a in node if "dashboard-port" in a or "include-dashboard" in a]
 

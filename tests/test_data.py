@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import own_processes
 
 
 @pytest.mark.slow
@@ -15,10 +16,10 @@ def test_a_dataset_four_times_the_object_store_streams_through(tmp_path):
     import subprocess
     import sys
 
-    from elastic.cluster.localcluster import REPO
     from elastic.config.schema import DataConfig
     from elastic.data.shards import check_dataset
     from elastic.datasets.synthetic import generate
+    from elastic_harness.localcluster import REPO
 
     generate(str(tmp_path / "big"), None, 50_000, 0, 40, 2048, 4, seed=0)
     size = check_dataset(DataConfig(path=str(tmp_path / "big")))["train"].bytes
@@ -149,7 +150,7 @@ def test_the_warm_up_starts_the_processes_the_worker_groups_reads_run_in(
     warm = warm_up(data, files, (0, 0), processes=2)
     warm.join()
     assert len(set(warm.pids)) == 2, warm.pids
-    before = {p.pid for p in psutil.process_iter()}
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
 
     # the product's trainer: its workers' env is what the warm-up must match (its own
     # drain watcher turns Ray Train's off, through a variable the workers inherit)
@@ -165,10 +166,7 @@ def test_the_warm_up_starts_the_processes_the_worker_groups_reads_run_in(
     assert used <= before, f"the workers' tasks started processes {used - before}"
     assert all(psutil.pid_exists(p) for p in warm.pids)
     deadline = time.monotonic() + 15
-    while any(
-        (p.info["cmdline"] or [""])[0].startswith("ray::TrainController")
-        for p in psutil.process_iter(["cmdline"])
-    ):
+    while own_processes("ray::TrainController"):
         assert time.monotonic() < deadline, "the test's Ray Train controller is left"
         time.sleep(0.5)
 

@@ -17,7 +17,7 @@ from conftest import (
     planned_digests,
 )
 
-from elastic.cluster.localcluster import RayCluster, Run, saving_pids
+from elastic_harness.localcluster import RayCluster, Run, saving_pids
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m 'not slow'
 

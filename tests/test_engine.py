@@ -197,7 +197,7 @@ def test_zero2_steps_map_no_fresh_pages_with_the_workers_malloc_settings(tmp_pat
     the environment elastic gives its Ray workers, the steps reuse them. (Here on the
     main thread; in Ray Train's training thread the defaults fault as much or more:
     docs/performance.md#step-overhead has a run's workers measured.)"""
-    from elastic.train.allocator import MALLOC_ENV, worker_malloc_env
+    from elastic.cluster.allocator import MALLOC_ENV, worker_malloc_env
 
     for key in [k for k in os.environ if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"]:
         monkeypatch.delenv(key)

@@ -18,9 +18,9 @@ pytest.importorskip("PIL", reason="the images extra is not installed: pip instal
 from conftest import train  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from elastic.cluster.localcluster import REPO  # noqa: E402
 from elastic.datasets.images import ImageError, classes_of, convert, decode_images, shift_augment  # noqa: E402
 from elastic.errors import ConfigError  # noqa: E402
+from elastic_harness.localcluster import REPO  # noqa: E402
 
 PREPARE = str(REPO / "datasets" / "images" / "prepare.py")
 

@@ -62,9 +62,10 @@ def test_no_import_cycle_and_errors_at_the_bottom():
     assert graph["elastic.errors"] == set()
 
 
-def test_the_core_names_no_format_and_no_model():
-    """Formats and models are registered (elastic.data.formats, elastic.models): the
-    layers that use them never import a dataset module or a model family."""
+def test_the_core_names_no_format_no_model_and_no_task():
+    """Formats, models and tasks are registered (elastic.data.formats, elastic.models,
+    elastic.tasks): the layers that use them never import a dataset module, a model
+    family or a task; only the registries and the typed bases."""
     modules = _modules()
     layers = (["config"], ["data"], ["train"], ["observe"])
     core = [m for m in modules if m.split(".")[1:2] in layers]
@@ -72,8 +73,8 @@ def test_the_core_names_no_format_and_no_model():
         plugins = {
             d
             for d in _imports(modules[m], modules)
-            if d.startswith("elastic.datasets.")
-            or (d.startswith("elastic.models.") and d != "elastic.models.losses")
+            if d.startswith(("elastic.datasets.", "elastic.models.", "elastic.tasks."))
+            and d not in ("elastic.models.base", "elastic.tasks.base")
         }
         # the synthetic generator is the driver's, for missing synthetic data
         plugins.discard("elastic.datasets.synthetic")
@@ -83,3 +84,18 @@ def test_the_core_names_no_format_and_no_model():
 def test_the_check_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_product_imports_no_benchmark_and_no_test_harness():
+    """Benchmarks (elastic_bench) and the local-cluster harness (elastic_harness) live
+    beside the product: no module of elastic imports either, wherever the import is."""
+    tooling = ("elastic_bench", "elastic_harness")
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            bad = [n for n in names if n.split(".")[0] in tooling]
+            assert not bad, f"{path.relative_to(PACKAGE.parent)} imports {bad}"

@@ -1,5 +1,5 @@
 """The helpers the end-to-end tests and benchmarks watch runs with
-(elastic/cluster/localcluster.py): what they read, and that watching costs the run
+(elastic_harness/localcluster.py): what they read, and that watching costs the run
 nothing it does not need."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 import psutil
 import pytest
 
-from elastic.cluster.localcluster import RunFiles, Slowdown
 from elastic.observe.tracking import HISTORY_FILE
+from elastic_harness.localcluster import RunFiles, Slowdown
 
 
 def test_records_are_every_whole_line_so_far_and_a_new_file_starts_over(tmp_path):

@@ -17,7 +17,6 @@ D = pytest.importorskip("MDAnalysisTests.datafiles", reason="the protein extra i
 
 from conftest import train  # noqa: E402
 
-from elastic.cluster.localcluster import REPO  # noqa: E402
 from elastic.config.compose import compose, typed_config  # noqa: E402
 from elastic.datasets.protein import (  # noqa: E402
     ContactsFormat,
@@ -28,6 +27,7 @@ from elastic.datasets.protein import (  # noqa: E402
     synthetic,
 )
 from elastic.errors import ConfigError  # noqa: E402
+from elastic_harness.localcluster import REPO  # noqa: E402
 
 PREPARE = str(REPO / "datasets" / "protein" / "prepare.py")
 BITS = 214 * 213 // 2

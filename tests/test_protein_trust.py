@@ -14,8 +14,8 @@ import pytest
 mda = pytest.importorskip("MDAnalysis", reason="the protein extra is not installed")
 D = pytest.importorskip("MDAnalysisTests.datafiles", reason="the protein extra is not installed")
 
-from elastic.cluster.localcluster import REPO  # noqa: E402
 from elastic.datasets.protein import ProteinError, convert  # noqa: E402
+from elastic_harness.localcluster import REPO  # noqa: E402
 
 PREPARE = str(REPO / "datasets" / "protein" / "prepare.py")
 

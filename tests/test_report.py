@@ -11,7 +11,6 @@ import sys
 import pytest
 from conftest import FAST_POLL
 
-from elastic.cluster.localcluster import REPO
 from elastic.errors import ConfigError
 from elastic.observe.metrics import (
     parse_target,
@@ -21,6 +20,7 @@ from elastic.observe.metrics import (
     time_to_target,
 )
 from elastic.observe.progress import DriverProgress
+from elastic_harness.localcluster import REPO
 
 
 def test_target_parses_and_bad_targets_say_how_to_write_one():

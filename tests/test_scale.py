@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from elastic.bench.scale.fit import fit
-from elastic.bench.scale.plot import markdown
-from elastic.bench.scale.world import epoch_start_s
-from elastic.cluster.localcluster import REPO
+from elastic_bench.scale.fit import fit
+from elastic_bench.scale.plot import markdown
+from elastic_bench.scale.world import epoch_start_s
+from elastic_harness.localcluster import REPO
 
 SIZES = [2, 4, 8, 16, 24]
 
@@ -132,7 +132,7 @@ def test_bench_scale_model_and_data_series(tmp_path):
 CLOCK_SCRIPT = """
 import json, os, time
 import ray
-from elastic.cluster.localcluster import FAST_HEALTH, CpuClock, RayCluster
+from elastic_harness.localcluster import FAST_HEALTH, CpuClock, RayCluster
 
 # processes started ahead for the driver, as at Ray's default (elastic's nodes start
 # none): Ray gives one to the first actor (it does not to a task's process)

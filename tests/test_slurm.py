@@ -18,7 +18,7 @@ import pytest
 from conftest import assert_every_epoch_once, cluster_data, cluster_overrides
 from slurm_cluster import ENDED, SlurmCluster, missing_requirements
 
-from elastic.cluster.localcluster import REPO, RunFiles
+from elastic_harness.localcluster import REPO, RunFiles
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -219,16 +219,16 @@ def test_usr1_checkpoints_at_once_and_the_requeued_job_resumes(slurm, data, tmp_
     """Slurm's warning signal to the batch step (what --signal=B:USR1@120 sends before the
     time limit): the run checkpoints at that step, the job requeues itself, and the
     requeued job resumes from that checkpoint and finishes."""
-    # cached epochs take about a second each here: enough of them that the run is still
-    # training when the signal has gone through scancel, slurmd and the batch shell (it
-    # took ~0.3 s, 3 steps, on 2026-12-06)
+    # cached epochs take about a second each: enough of them that the run is still
+    # training when the signal has gone through scancel, slurmd and the batch shell
+    # (a few steps), and few enough that the requeued job soon ends
     job = Job(
         slurm,
         tmp_path,
         "-N",
         "2",
         TRAIN,
-        *overrides(data, "checkpoint.every_steps=1000", "trainer.max_epochs=10"),
+        *overrides(data, "checkpoint.every_steps=1000", "trainer.max_epochs=5"),
     )
     job.wait_for("step 8", lambda: job.last_step() >= 8, timeout=240)
     slurm.client("scancel", "--signal=USR1", "--batch", job.id)
@@ -240,6 +240,6 @@ def test_usr1_checkpoints_at_once_and_the_requeued_job_resumes(slurm, data, tmp_
     s = job.summary()
     assert [e["step"] for e in s["events"] if e["event"] == "resume"] == [stopped_at]
     assert "Restarts=1" in slurm.client("scontrol", "show", "job", job.id).stdout
-    assert_every_sample_once(s, data, epochs=10)
+    assert_every_sample_once(s, data, epochs=5)
     # the first incarnation's checkpoint is the one at the signal, not a periodic one
     assert stopped_at >= 8 and stopped_at % 1000 != 0

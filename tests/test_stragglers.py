@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from conftest import FAST_POLL
 
-from elastic.cluster.localcluster import Run, Slowdown, train_workers_under
 from elastic.config.schema import StragglersConfig
 from elastic.observe.report import write_report
 from elastic.train.stragglers import FIGURES, StragglerWatch, eviction
+from elastic_harness.localcluster import Run, Slowdown, train_workers_under
 
 
 def _table(compute: list[float], steps: int = 4, rows: int = 32, fixed=None) -> np.ndarray:
@@ -274,7 +274,7 @@ def test_evict_drops_the_slow_node_for_its_cooldown_then_takes_it_back(tmp_path)
     Every step trains the planned rows, every sample once."""
     from conftest import cluster_data, cluster_overrides, planned_digests
 
-    from elastic.cluster.localcluster import RayCluster
+    from elastic_harness.localcluster import RayCluster
 
     cooldown = 20
     data = cluster_data(tmp_path / "data", 2048, seed=3)

@@ -9,7 +9,13 @@ import os
 
 import numpy as np
 import pytest
-from conftest import assert_every_epoch_once, planned_digests, small_overrides, train
+from conftest import (
+    assert_every_epoch_once,
+    own_processes,
+    planned_digests,
+    small_overrides,
+    train,
+)
 
 from elastic.train.driver import read_events
 
@@ -186,17 +192,7 @@ def test_cached_and_streamed_epochs_train_alike_and_resume_in_a_later_epoch_exac
     assert losses["cached"] == losses["streamed"]
     # a process that trains again and again (a notebook; this suite) keeps no run's
     # Ray Train controller (~400 MB each) once its fit() has returned
-    assert _eventually(lambda: not _processes("ray::TrainController")), "controllers left"
-
-
-def _processes(title: str) -> list[int]:
-    import psutil
-
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        if (p.info["cmdline"] or [""])[0].startswith(title):
-            found.append(p.pid)
-    return found
+    assert _eventually(lambda: not own_processes("ray::TrainController")), "controllers left"
 
 
 def _eventually(check, timeout: float = 15.0) -> bool:
@@ -327,8 +323,8 @@ def test_every_world_size_trains_the_same_batches_and_a_resize_resumes_them(smal
     import subprocess
     import sys
 
-    from elastic.cluster.localcluster import REPO
     from elastic.data.ids import ids_digest
+    from elastic_harness.localcluster import REPO
 
     for step in (5, 20):
         out = subprocess.run(

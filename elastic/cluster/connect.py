@@ -153,12 +153,12 @@ def connect(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[str]:
         # a notebook or test session that already started Ray: use it, leave it running
         yield "the Ray session already running in this process"
         return
-    from elastic.train.allocator import worker_malloc_env
+    from elastic.cluster.allocator import worker_malloc_env
 
     env = {**WORKER_ENV, **worker_malloc_env(os.environ)}
     if scaling.use_gpu:
         env["DS_ACCELERATOR"] = "cuda"
-    # a user's formats and models (README "Bring your own dataset or model") must import
+    # a user's formats and models (README "Bring your own dataset, model or task") must import
     # on every worker, on any node, as on the driver
     for key in ("ELASTIC_PLUGINS", "PYTHONPATH"):
         if os.environ.get(key):

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from elastic.bench.common import StepClock
 from elastic.data.formats import column_to_numpy
 from elastic.data.shards import list_shards
 from elastic.models.mlp import MLPConfig
+from elastic_bench.common import StepClock
 
 
 def main() -> None:

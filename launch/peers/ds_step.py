@@ -25,12 +25,12 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
-from elastic.bench.common import StepClock
 from elastic.config.compose import compose, typed_config
 from elastic.data.formats import column_to_numpy
 from elastic.data.shards import list_shards
 from elastic.train.batch import BatchPlan
 from elastic.train.engine import build_engine, init_distributed
+from elastic_bench.common import StepClock
 
 
 def main() -> None:

@@ -13,9 +13,8 @@ threshold (32 MiB on 64-bit glibc) and a high trim threshold do (no fault a step
 Set as environment variables of every Ray worker elastic starts (glibc reads them when
 a process starts). At ZeRO-0 too: autograd allocates every gradient afresh each step
 (the optimizer sets them to None), the largest of the smoke model 16 MiB: plain DDP under
-torchrun with these settings took 0.65-0.89x the step time it took with glibc's defaults
-on 2026-12-06 (3 pairs of 200 steps; ``bench.py overhead`` now runs that peer beside
-plain DDP at ZeRO-0).
+torchrun is faster with these settings too (``bench.py overhead`` runs that peer beside
+plain DDP at ZeRO-0: docs/performance.md#step-overhead).
 
 The cost: memory a worker frees is kept, up to :data:`TRIM_THRESHOLD` beyond what it
 holds; one arena serialises the threads' mallocs of blocks too large for their caches.

@@ -14,9 +14,9 @@ then comes from each worker's cache); the first epoch, while Ray Data reads and 
 the shards on the same cores, is reported apart. Each round runs every run once, each
 elastic run next to the peer it is judged against, every other round in the reverse
 order: a machine whose speed drifts over minutes then slows both of a pair alike, and
-a steady drift favours neither side over two rounds (on 2026-12-05 the rounds' ratios
-of two peers that should match, DeepSpeed ZeRO-0 against DDP, ranged 0.89-1.06 with
-the runs one round starting one run further on). A ratio is the geometric mean of the
+a steady drift favours neither side over two rounds (two peers that should match,
+DeepSpeed ZeRO-0 against DDP, were measured a tenth apart from round to round when the
+rounds did not alternate). A ratio is the geometric mean of the
 rounds' ratios,
 with its 95% confidence interval (Student's t over the rounds' log ratios), and the
 verdict is on the interval's upper end: met only when the whole interval is at or
@@ -40,9 +40,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from elastic.bench.common import smoke_config, torchrun_json, train
-from elastic.cluster.localcluster import CpuClock
-from elastic.train.allocator import worker_malloc_env
+from elastic.cluster.allocator import worker_malloc_env
+from elastic_bench.common import smoke_config, torchrun_json, train
+from elastic_harness.localcluster import CpuClock
 
 HELP = "step time vs plain torchrun DDP"
 STEP_RATIO_TARGET = 1.05  # elastic's steady-state step time over torchrun DDP's, at most
@@ -134,7 +134,7 @@ def _elastic_step_s(overrides: list[str], steps: int, workdir: str) -> dict[str,
 def _ddp_peer(cfg, steps: int, same_malloc: bool = False) -> dict:
     """Plain DDP under torchrun: its rank 0's JSON line (``step_s``, ``window``, ``steps``).
     ``same_malloc``: with the malloc settings elastic gives its training workers
-    (:mod:`elastic.train.allocator`), which a DDP user could set too: like for like."""
+    (:mod:`elastic.cluster.allocator`), which a DDP user could set too: like for like."""
     args = [
         "--data", cfg.data.path, "--input-dim", str(cfg.model.input_dim),
         "--hidden-dims", ",".join(map(str, cfg.model.hidden_dims)),
@@ -265,8 +265,7 @@ def _cpu_figures(cpu_rounds: list[dict[str, dict[str, Any]]], run: str, peer: st
     """CPU a step of ``run`` and its ``peer`` (medians over the rounds, in ms) and the
     ratio of their totals with its interval: where a step's work goes (elastic's
     training workers apart from what Ray keeps running beside them), not a verdict on
-    step time (it leaves out waiting, and on a loaded host CPU seconds stretch too: the
-    DDP peer's ranged 279-387 ms a step in two rounds on 2026-12-05)."""
+    step time (it leaves out waiting, and on a loaded host CPU seconds stretch too)."""
 
     def median(key: str, part: str) -> float:
         return statistics.median(c[key][part] for c in cpu_rounds)

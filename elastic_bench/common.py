@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from elastic.cluster.localcluster import REPO
 from elastic.observe.metrics import read_records
+from elastic_harness.localcluster import REPO
 
 
 class StepClock:
@@ -21,7 +21,7 @@ class StepClock:
     steps; ``bench overhead`` takes the median over those intervals): rank 0's clock at
     every ``every``-th step from ``start`` on. :meth:`median_step_s`, the median
     seconds a step over those intervals; :meth:`mean_step_s`, the mean over all of
-    them (the peers' figure until 2026-12-06)."""
+    them."""
 
     def __init__(self, start: int, every: int = 10) -> None:
         self.start, self.every = start, every

@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING
 
 import torch.utils.data
 
-from elastic.bench.common import train
+from elastic_bench.common import train
 
 if TYPE_CHECKING:
     from elastic.config.schema import DataConfig
 
 HELP = "rows/s into 2 workers vs a torch DataLoader"
 STREAMED_RATIO_TARGET = 0.5  # streamed every epoch: elastic's rows/s over the DataLoader's
-CACHED_BEFORE = {  # cached, the ratio before world-size-independent batches (2026-11-30)
+CACHED_BEFORE = {  # cached, the ratio before world-size-independent batches (the baseline)
     "synthetic": 0.49,
     "images": 1.08,
     "protein": 0.79,

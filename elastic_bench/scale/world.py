@@ -14,7 +14,7 @@ through ``launch/run.py``, timed from its own records:
   larger size (both from two nodes up).
 
 Each is timed twice: wall seconds here, and the CPU seconds of the head side and of the
-worker side over the same window (:class:`~elastic.cluster.localcluster.CpuClock`). With
+worker side over the same window (:class:`~elastic_harness.localcluster.CpuClock`). With
 2 cores for up to 32 workers, wall times here stretch with the worker count; the CPU
 seconds are what each side would spend on machines of its own.
 """
@@ -62,7 +62,7 @@ def compute_alone_s(world: int) -> float:
     distributed: what a step costs without any framework."""
     import torch
 
-    from elastic.bench.common import smoke_config
+    from elastic_bench.common import smoke_config
 
     cfg = smoke_config(overrides(world, 1, [])[1:5])
     threads = torch.get_num_threads()
@@ -159,8 +159,8 @@ def _startup(run: Any, after: float) -> dict[str, float]:
 
 def measure_world(world: int, per_node: int, workdir: str, kills: bool = True) -> dict[str, Any]:
     """One run at ``world`` workers (``per_node`` a node); every figure of it."""
-    from elastic.bench.common import elastic_data
-    from elastic.cluster.localcluster import CpuClock, RayCluster, Run
+    from elastic_bench.common import elastic_data
+    from elastic_harness.localcluster import CpuClock, RayCluster, Run
 
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread a worker: 2 cores hold them all
     data = elastic_data(workdir)

@@ -1,7 +1,7 @@
 """One point of ``bench.py scale``'s model-size series, on every rank under torchrun:
 
     python -m torch.distributed.run --standalone --nproc-per-node N \\
-        -m elastic.bench.scale.ckpt_ranks --params P --dir DIR --mode save|load
+        -m elastic_bench.scale.ckpt_ranks --params P --dir DIR --mode save|load
 
 elastic's own DeepSpeed engine (ZeRO-3, gloo, CPU, AdamW) of an MLP with about ``P``
 parameters in :data:`LAYERS` equal hidden layers (a model's state spread over many

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from elastic.bench.common import train
+from elastic_bench.common import train
 
 HELP = "samples/s and MFU of cbed_vit at ViT-L size on GPUs"
 
@@ -54,7 +54,7 @@ def flops_per_sample(overrides: list[str]) -> tuple[float, int]:
     cfg = to_typed(compose(overrides)[0])
     with torch.device("meta"):
         model = cfg.model.build()
-    width = getattr(cfg.model, "input_dim", None)
+    width = cfg.model.input_dim
     shape = (8, width) if width else (8, cfg.model.in_channels, cfg.model.side, cfg.model.side)
     with FlopCounterMode(display=False) as counter:
         model(torch.empty(shape, device="meta")).float().sum().backward()

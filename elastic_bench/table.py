@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from elastic.bench import chaos, gpu, hetero, ingest, memory, overhead, recovery, scale, startup
+from elastic_bench import chaos, gpu, hetero, ingest, memory, overhead, recovery, scale, startup
 
 # each benchmark's module: HELP, add_arguments(parser), measure(args) -> its report;
 # in the order the CLI lists them

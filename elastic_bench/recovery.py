@@ -15,8 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from elastic.bench.common import ELASTIC_MODEL, elastic_data, smoke_config
-from elastic.cluster.localcluster import RayCluster, Run
+from elastic_bench.common import ELASTIC_MODEL, elastic_data, smoke_config
+from elastic_harness.localcluster import RayCluster, Run
 
 HELP = "shrink/grow/worker-kill recovery vs Ray defaults"
 SHRINK_TARGET_S = 15.0  # node killed -> first step at 1 worker

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from elastic.cluster.localcluster import Run, Slowdown, Throttle, train_workers_under
+from elastic_harness.localcluster import Run, Slowdown, Throttle, train_workers_under
 
 HELP = "one worker slowed 2x: lock-step vs rebalance vs the ideal"
 REBALANCE_VS_LOCKSTEP_TARGET = 1.3  # rebalance's samples/s over lock-step's, at least
@@ -39,9 +39,8 @@ IDEAL_CEILING = 1.02
 # Rows a step large against the model, so that a step's compute grows with its rows and
 # dominates its gradient all-reduce, as on GPUs: here the slowed core slows the slowed
 # rank's side of the all-reduce too, which no split of the rows can move (at 2,048 rows
-# a step the all-reduce was ~25% of a rebalanced step, at 16,384 ~5%; at 32,768, one
-# round on 2026-12-04: 1.34x lock-step and 0.91 of the ideal, where 16,384 had given
-# 1.22x and 0.86 in three rounds the day before).
+# a step the all-reduce was ~25% of a rebalanced step, at 16,384 ~5%, and 32,768 came
+# closest to the ideal).
 # With a 1024-wide MLP and 128 rows a worker, fixed costs per step (optimizer, Python)
 # made a half-speed worker's step hardly shorter with fewer rows.
 BATCH = 32768

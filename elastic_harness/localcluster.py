@@ -28,7 +28,7 @@ import psutil
 from elastic.cluster.bootstrap import WORKER_POOL, quiet_log_monitor
 from elastic.observe.tracking import HISTORY_FILE
 
-REPO = Path(__file__).resolve().parents[2]  # a source checkout: launch/run.py
+REPO = Path(__file__).resolve().parents[1]  # a source checkout: launch/run.py
 NODE_CPUS = 3  # per worker node: one training worker each
 FAST_HEALTH = {  # notice a dead node within seconds (see shared notes on Slurm)
     "health_check_period_ms": 1000,
@@ -220,9 +220,9 @@ class RunFiles:
     def wait_for(self, what: str, predicate: Any, timeout: float = 180.0, poll: float = 0.1):
         """``predicate()``'s first true value, asked every ``poll`` seconds; an
         AssertionError naming ``what`` if the run exits first or ``timeout`` passes.
-        10 a second by default (50 until 2026-12-06: a predicate that walks the
-        process tree costs ~5 ms of CPU a call, a quarter of a core at that rate,
-        taken from the run it watched on 2 cores)."""
+        10 a second by default (a predicate that walks the process tree costs
+        milliseconds of CPU a call: at 50 a second, a quarter of a core taken from the
+        run it watches on 2 cores)."""
         deadline = time.monotonic() + timeout
         ask_exit = 0.0
         while (now := time.monotonic()) < deadline:

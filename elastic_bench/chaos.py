@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from elastic.bench.common import ELASTIC_MODEL, elastic_data, train
-from elastic.cluster.localcluster import RayCluster, Run
+from elastic_bench.common import ELASTIC_MODEL, elastic_data, train
+from elastic_harness.localcluster import RayCluster, Run
 
 HELP = "random kills, removals and additions vs a clean run; world sizes 1, 2, 3"
 VAL_LOSS_GAP_TARGET = 0.0005  # final validation loss within 0.05% of the undisturbed run

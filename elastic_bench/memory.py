@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from elastic.bench.common import torchrun_json
+from elastic_bench.common import torchrun_json
 
 HELP = "model-state bytes per rank vs the ZeRO formulas"
 

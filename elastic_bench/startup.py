@@ -14,7 +14,7 @@ import argparse
 import statistics
 import tempfile
 
-from elastic.bench.common import elastic_data, train
+from elastic_bench.common import elastic_data, train
 
 HELP = "seconds of a short run outside its steps, with and without a val split"
 

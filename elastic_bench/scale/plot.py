@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from elastic.bench.scale.fit import Fit
+from elastic_bench.scale.fit import Fit
 
 GROUP_X = {"world": "workers", "model": "parameters", "data": "samples (merge: ids merged)"}
 

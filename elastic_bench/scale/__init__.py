@@ -18,7 +18,7 @@ plus what the fits say grows from there: the head side's CPU seconds (one driver
 GCS, one Ray Train controller: serial) and one worker's CPU seconds (each worker on its
 own cores there, so the workers' work is parallel). What a machine here cannot show
 (network latency, a parallel filesystem's bandwidth, GPU speed) is not in the model;
-the README's "Scaling" section lists the assumptions beside the figures.
+docs/performance.md#scale lists the assumptions beside the figures.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from elastic.bench.common import torchrun_json
-from elastic.bench.scale import data as dataset
-from elastic.bench.scale.fit import Fit, fit
-from elastic.bench.scale.plot import figures, markdown
-from elastic.bench.scale.world import compute_alone_s, measure_world
+from elastic_bench.common import torchrun_json
+from elastic_bench.scale import data as dataset
+from elastic_bench.scale.fit import Fit, fit
+from elastic_bench.scale.plot import figures, markdown
+from elastic_bench.scale.world import compute_alone_s, measure_world
 
 HELP = "how start-up, steps, recovery, checkpoints and data state grow (to 16+ workers)"
 WORKERS_PER_NODE_AT_SCALE = 6  # Summit: 6 GPUs a node
@@ -47,7 +47,7 @@ CHECKPOINT_EVERY = 50  # checkpoint.every_steps' default
 RESTART_BUDGET_S = 5.0  # "a few seconds per restart at 1,000 nodes": more is to fix
 MODEL_SIZES_AT_SCALE = {"1B params": 1e9, "10B params": 1e10}
 SAMPLES_AT_SCALE = {"10^10 samples": 1e10}
-RANKS = "elastic.bench.scale.ckpt_ranks"  # the model series' ranks, under torchrun
+RANKS = "elastic_bench.scale.ckpt_ranks"  # the model series' ranks, under torchrun
 QUICK = {"worlds": [2, 8, 16], "params": [1e6, 1e7, 1e8], "merged": [1e4, 1e5, 1e6]}
 BUDGETS = {  # series -> the value past which it breaks the run (its unit)
     **{f"{p}.modelled_s": RESTART_BUDGET_S for p in ("worker_kill", "node_kill", "node_join")},
