@@ -306,6 +306,39 @@ def test_bad_vision_transformer_shapes_fail_with_one_line(extra, needle, tmp_pat
     assert exc.value.code == 2 and err.count("\n") == 0 and needle in err, err
 
 
+def _keys_with_choices() -> list[tuple[str, tuple[str, ...]]]:
+    import dataclasses
+    import typing
+
+    from elastic.config.schema import choices_of
+
+    sections = typing.get_type_hints(TrainConfig)
+    return [
+        (f"{section.name}.{f.name}", choices_of(f) or ())
+        for section in dataclasses.fields(TrainConfig)
+        if dataclasses.is_dataclass(sections[section.name])
+        for f in dataclasses.fields(sections[section.name])
+        if choices_of(f)
+    ]
+
+
+@pytest.mark.parametrize("key, choices", _keys_with_choices())
+def test_a_key_with_choices_takes_each_and_refuses_another_naming_them(key, choices):
+    """The choices on the schema's field (schema.one_of) are what validation takes and
+    what its message names (docs/config.md is held to the same, tests/test_docs.py)."""
+    from elastic.config.validate import to_typed
+
+    cfg, _ = compose(["+experiment=smoke"])
+    section, name = key.split(".")
+    for value in choices:
+        cfg[section][name] = value
+        assert getattr(getattr(to_typed(cfg), section), name) == value
+    cfg[section][name] = "bogus"
+    with pytest.raises(ConfigError) as e:
+        to_typed(cfg)
+    assert str(e.value) == f"{key}='bogus' is not valid: use one of {', '.join(choices)}"
+
+
 def test_unknown_experiment_lists_the_available_ones(capsys):
     with pytest.raises(SystemExit) as exc:
         preflight(["+experiment=smokey"])
@@ -475,8 +508,8 @@ def test_a_placement_the_nodes_cannot_give_fails_on_a_fixed_cluster_and_waits_on
     at once (STRICT_SPREAD on one node was retried 182 times in 16.5 minutes); on an
     explicit cluster nodes may be yet to join: a warning, and scaling.placement_timeout_s
     bounds the wait."""
+    from elastic.cluster.placement import check_resources
     from elastic.config.schema import ScalingConfig
-    from elastic.train.driver import check_resources
 
     nodes = [
         {"Alive": True, "Resources": {"CPU": 4.0}},

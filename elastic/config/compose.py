@@ -268,7 +268,7 @@ def check_data(cfg: TrainConfig) -> None:
     )
     data_format(cfg.data.format).check_target(cfg.data, cfg.model, files)
     width = input_width(cfg.data)
-    expected = getattr(cfg.model, "input_dim", None)
+    expected = cfg.model.input_dim
     if width is not None and expected is not None and width != expected:
         key = next(k for k in ("input_size", "residues", "input_dim") if hasattr(cfg.model, k))
         fix = (

@@ -2,16 +2,52 @@
 
 Hydra composes YAML from ``conf/`` against these schemas (registered in its ConfigStore
 by :func:`elastic.config.compose.register_schemas`), so a typo or a wrong type fails
-while composing. Defaults live here and in ``conf/``; validation is in
-:mod:`elastic.config.validate`.
+while composing. Defaults live here and in ``conf/``. Each section checks its own keys
+(its ``validate()``); :func:`elastic.config.validate.validate` runs them, the choices
+(:func:`one_of`) and the checks that span sections. docs/config.md lists every key with
+its default and choices (tests/test_docs.py holds it to these classes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from omegaconf import MISSING
+
+from elastic.errors import ConfigError
+
+CHOICES = "choices"
+"""The field metadata that holds a key's fixed set of values (:func:`one_of`)."""
+
+
+def one_of(choices: Any, default: str) -> Any:
+    """A key whose value is one of the ``Literal`` type ``choices``, with this default.
+
+    OmegaConf 2.3 refuses ``Literal`` annotations in structured configs, so the key is
+    typed ``str`` and its choices ride on the field: validation (and its message) and
+    the docs test read them from there (:func:`choices_of`), nowhere else."""
+    values = get_args(choices)
+    if default not in values:
+        raise ValueError(f"default {default!r} is not one of {values}")
+    return field(default=default, metadata={CHOICES: values})
+
+
+def choices_of(f: dataclasses.Field[Any]) -> tuple[str, ...] | None:
+    """The fixed set of values of the key ``f``, or None where it takes any value."""
+    return f.metadata.get(CHOICES)
+
+
+def allowed(key: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not valid: use one of {', '.join(choices)}")
+
+
+def positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key}={value} is not valid: it must be {bound}")
 
 
 @dataclass
@@ -74,25 +110,47 @@ class DataConfig:
     synthetic: SyntheticDataConfig | None = None
     """Set for generated data: the dataset is written to ``path`` when it is missing."""
 
+    def validate(self) -> None:
+        """The format's own checks, and the lanes against the world sizes, are
+        :func:`elastic.config.validate.validate`'s (they need the model and scaling)."""
+        positive("data.global_batch_size", self.global_batch_size)
+        positive("data.prefetch_mb", self.prefetch_mb)
+        positive("data.cache_mb", self.cache_mb, allow_zero=True)
+        positive("data.shuffle_window_rows", self.shuffle_window_rows)
+        if self.micro_batch_size is not None:
+            positive("data.micro_batch_size", self.micro_batch_size)
+        if not str(self.path).strip():
+            raise ConfigError("data.path is empty: set data.path=/dir/with/parquet/shards")
+
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    name: str = one_of(Literal["adamw", "adam", "sgd"], "adamw")
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     warmup_steps: int = 0
-    schedule: str = "constant"
-    """constant | cosine (cosine decays to 0 over trainer.max_steps after warmup)."""
+    schedule: str = one_of(Literal["constant", "cosine"], "constant")
+    """cosine decays to 0 over trainer.max_steps after the warmup."""
+
+    def validate(self) -> None:
+        positive("optim.lr", self.lr)
+        positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        positive("optim.eps", self.eps)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(
+                f"optim.betas={list(self.betas)} is not valid: use two numbers in [0, 1), "
+                "e.g. [0.9,0.999]"
+            )
+        positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
 
 
 @dataclass
 class StrategyConfig:
     zero_stage: int = 2
     """DeepSpeed ZeRO stage 0-3 (0: plain data parallelism)."""
-    precision: str = "fp32"
-    """fp32 | bf16"""
+    precision: str = one_of(Literal["fp32", "bf16"], "fp32")
     gradient_clipping: float = 0.0
     overlap_reduce: bool = True
     """fp32 ZeRO-0: true, elastic's gradient all-reduce, started bucket by bucket during
@@ -102,6 +160,14 @@ class StrategyConfig:
     backward pass, e.g. reentrant activation checkpointing, or layers are frozen or
     unfrozen during the run: refused in one line otherwise). Other stages, bf16,
     mixture-of-experts and sparse embeddings keep DeepSpeed's whatever this says."""
+
+    def validate(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(
+                f"strategy.zero_stage={self.zero_stage} is not valid: use 0, 1, 2 or 3 "
+                "(DeepSpeed ZeRO)"
+            )
+        positive("strategy.gradient_clipping", self.gradient_clipping, allow_zero=True)
 
 
 RETIRED_KEYS = {
@@ -113,8 +179,6 @@ RETIRED_KEYS = {
     "scaling.batch_policy": "it is gone: every world size up to data.global_batch_size trains "
     "the same global batch, whether or not it divides it",
 }
-
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass
@@ -128,7 +192,9 @@ class ScalingConfig:
     sweep: ``-m scaling.workers=1,2,4``)."""
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
-    placement_strategy: str = "PACK"
+    placement_strategy: str = one_of(
+        Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"], "PACK"
+    )
     """How workers are placed on nodes (Ray placement group strategy): PACK fills a node
     first, SPREAD puts them on as many nodes as it can (one worker per node on a batch
     allocation), STRICT_PACK / STRICT_SPREAD insist."""
@@ -157,6 +223,35 @@ class ScalingConfig:
     """How often Ray Train looks for drained (preempted) nodes (Ray default 5); a drain
     makes the run checkpoint at once."""
 
+    def validate(self) -> None:
+        """scaling.workers is resolved (and checked) before, by
+        :func:`elastic.config.validate.to_typed`."""
+        if self.min_workers < 1:
+            raise ConfigError(
+                f"scaling.min_workers={self.min_workers} is not valid: it must be >= 1"
+            )
+        if self.min_workers > self.max_workers:
+            raise ConfigError(
+                f"scaling.min_workers={self.min_workers} > scaling.max_workers="
+                f"{self.max_workers}: set min_workers <= max_workers (to sweep fixed world "
+                "sizes: -m scaling.workers=1,2)"
+            )
+        positive("scaling.cpus_per_worker", self.cpus_per_worker)
+        if self.max_failures < -1:
+            raise ConfigError(
+                f"scaling.max_failures={self.max_failures}: use -1 (no limit) or >= 0"
+            )
+        positive("scaling.placement_timeout_s", self.placement_timeout_s, allow_zero=True)
+        for key in (
+            "resize_interval_s",
+            "start_timeout_s",
+            "health_check_interval_s",
+            "worker_health_check_timeout_s",
+            "drain_poll_interval_s",
+            "node_refresh_s",
+        ):
+            positive(f"scaling.{key}", getattr(self, key))
+
     def ray_env(self) -> dict[str, str]:
         """Ray Train's recovery knobs, as the environment its controller reads."""
         return {
@@ -167,9 +262,6 @@ class ScalingConfig:
         }
 
 
-STRAGGLER_POLICIES = ("report", "rebalance", "evict")
-
-
 @dataclass
 class StragglersConfig:
     threshold: float = 1.3
@@ -178,7 +270,7 @@ class StragglersConfig:
     window: int = 3
     """... for this many log intervals in a row is a straggler (an event, a console
     line, a W&B alert)."""
-    policy: str = "report"
+    policy: str = one_of(Literal["report", "rebalance", "evict"], "report")
     """report: detect and report. rebalance: each rank's share of every step's rows
     follows its measured speed, re-evaluated every window (the step's rows and the
     gradient stay the same). evict: checkpoint, keep the straggler's node out of the run
@@ -188,6 +280,24 @@ class StragglersConfig:
     max_evictions: int = 2
     """evict: at most this many evictions a run (each restarts the worker group, which
     Ray Train counts as a failure: scaling.max_failures is raised by this much)."""
+
+    def validate(self) -> None:
+        if not self.threshold > 1:
+            raise ConfigError(
+                f"stragglers.threshold={self.threshold} is not valid: it must be > 1 (a rank "
+                "this many times slower than the others' median, e.g. 1.3)"
+            )
+        if self.window < 1:
+            raise ConfigError(
+                f"stragglers.window={self.window} is not valid: it must be >= 1 (log intervals)"
+            )
+        positive("stragglers.cooldown_s", self.cooldown_s, allow_zero=True)
+        positive("stragglers.max_evictions", self.max_evictions, allow_zero=True)
+        if self.policy == "evict" and self.max_evictions == 0:
+            raise ConfigError(
+                "stragglers.policy=evict with stragglers.max_evictions=0 evicts nothing: "
+                "allow at least one, or use stragglers.policy=report"
+            )
 
 
 @dataclass
@@ -202,10 +312,22 @@ class TrainerConfig:
     seed: int = 0
     stop_at_step: int = 0
     """>0: checkpoint and stop after this step, resumable later (a fixed slice of a run)."""
-    progress: str = "auto"
-    """The driver's progress display: auto (a live bar on a terminal, else a plain line
-    with the ETA every progress_every_s) | bar | plain | off."""
+    progress: str = one_of(Literal["auto", "bar", "plain", "off"], "auto")
+    """The driver's progress display: auto, a live bar on a terminal, else a plain line
+    with the ETA every progress_every_s."""
     progress_every_s: float = 30.0
+
+    def validate(self) -> None:
+        positive("trainer.max_steps", self.max_steps, allow_zero=True)
+        positive("trainer.max_epochs", self.max_epochs, allow_zero=True)
+        if self.max_steps == 0 and self.max_epochs == 0:
+            raise ConfigError(
+                "trainer.max_steps=0 and trainer.max_epochs=0 would never stop: set one of them > 0"
+            )
+        positive("trainer.log_every_steps", self.log_every_steps)
+        positive("trainer.val_every_steps", self.val_every_steps, allow_zero=True)
+        positive("trainer.stop_at_step", self.stop_at_step, allow_zero=True)
+        positive("trainer.progress_every_s", self.progress_every_s)
 
 
 @dataclass
@@ -227,6 +349,15 @@ class CheckpointConfig:
     change): true trains on the data as it is now. Shards added, removed or resized are
     taken only at an epoch's end (the epoch in progress is planned on its rows)."""
 
+    def validate(self) -> None:
+        positive("checkpoint.every_steps", self.every_steps, allow_zero=True)
+        positive("checkpoint.keep", self.keep)
+
+
+RUN_NAME_BYTES = 200
+"""run.name's longest: a folder name (most filesystems take 255 bytes), with room for a
+sweep's ``-N`` and the files Ray writes beside it."""
+
 
 @dataclass
 class RunConfig:
@@ -237,15 +368,36 @@ class RunConfig:
     output_dir: str = ""
     """Hydra's output directory (summary.json goes there); filled by the entry point."""
 
+    def validate(self) -> None:
+        name = self.name
+        if (
+            not name.strip()
+            or name in (".", "..")
+            or any(c in name for c in "/\\")
+            or not name.isprintable()
+            or len(name.encode()) > RUN_NAME_BYTES
+        ):
+            # the run's folder is storage_path/name: ".." would write (and clean stale
+            # checkpoints) in the folder that holds every other run; a newline or a name
+            # past the filesystem's 255 bytes (with a sweep's "-N") fails far later
+            shown = name if len(name) <= 40 else f"{name[:37]}..."
+            raise ConfigError(
+                f"run.name={shown!r} is not valid: use a plain folder name of at most "
+                f"{RUN_NAME_BYTES} bytes, printable (no newline or tab), no '/', not '.' or '..'"
+            )
+
 
 @dataclass
 class LoggerConfig:
-    kind: str = "wandb"
-    """wandb | none"""
+    kind: str = one_of(Literal["wandb", "none"], "wandb")
     project: str = "elastic"
     entity: str | None = None
-    mode: str = "auto"
-    """auto (online when a W&B key is configured, else offline) | online | offline"""
+    mode: str = one_of(Literal["auto", "online", "offline"], "auto")
+    """auto: online when a W&B key is configured, else offline."""
+
+
+# Ray refuses a smaller object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES)
+OBJECT_STORE_MINIMUM_MB = 75
 
 
 @dataclass
@@ -259,6 +411,29 @@ class ClusterConfig:
     num_cpus: int | None = None
     """CPUs for the embedded cluster (null = all of this machine's)."""
     object_store_memory_mb: int = 512
+
+    def validate(self) -> None:
+        """Whether the embedded cluster can hold the workers is
+        :func:`elastic.config.validate.validate`'s (it needs scaling)."""
+        if self.object_store_memory_mb < OBJECT_STORE_MINIMUM_MB:
+            raise ConfigError(
+                f"cluster.object_store_memory_mb={self.object_store_memory_mb} is not valid: "
+                f"Ray needs at least {OBJECT_STORE_MINIMUM_MB}"
+            )
+        positive("cluster.connect_timeout_s", self.connect_timeout_s)
+        if self.address and not host_port(self.address):
+            raise ConfigError(
+                f"cluster.address={self.address!r} is not valid: use HOST:PORT of the head's "
+                "GCS (e.g. 10.0.0.1:6379), or leave it empty for an embedded local cluster"
+            )
+
+
+def host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of ``HOST:PORT`` (``ray://`` allowed, IPv6 in brackets), else None."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host.strip("[]"), int(port)
 
 
 @dataclass

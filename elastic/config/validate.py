@@ -14,15 +14,20 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from elastic.config.schema import (
-    PLACEMENT_STRATEGIES,
     RETIRED_KEYS,
-    STRAGGLER_POLICIES,
     DataConfig,
     TrainConfig,
+    allowed,
+    choices_of,
+    host_port,
 )
 from elastic.data.formats import data_format
 from elastic.errors import ConfigError
 from elastic.models import MODEL_SCHEMAS
+from elastic.tasks import task_of
+
+# host_port is the schema's (cluster.address); elastic.cluster.connect imports it from here
+__all__ = ["host_port", "resolve_paths", "to_typed", "validate"]
 
 
 def to_typed(cfg: DictConfig) -> TrainConfig:
@@ -99,115 +104,49 @@ def _reject_non_finite(obj: Any, key: str = "") -> None:
             raise ConfigError(f"{key}={obj} is not valid: it must be a finite number")
 
 
-def _allowed(key: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key}={value!r} is not valid: use one of {', '.join(choices)}")
-
-
-def _positive(key: str, value: float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{key}={value} is not valid: it must be {bound}")
-
-
 def validate(cfg: TrainConfig) -> None:
-    """Reject every value the run could not use, naming the key and the fix."""
-    s, sc, d, t, o = cfg.strategy, cfg.scaling, cfg.data, cfg.trainer, cfg.optim
-    if s.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(
-            f"strategy.zero_stage={s.zero_stage} is not valid: use 0, 1, 2 or 3 (DeepSpeed ZeRO)"
-        )
-    _allowed("strategy.precision", s.precision, ("fp32", "bf16"))
-    _positive("strategy.gradient_clipping", s.gradient_clipping, allow_zero=True)
-    if sc.min_workers < 1:
-        raise ConfigError(f"scaling.min_workers={sc.min_workers} is not valid: it must be >= 1")
-    if sc.min_workers > sc.max_workers:
-        raise ConfigError(
-            f"scaling.min_workers={sc.min_workers} > scaling.max_workers={sc.max_workers}: "
-            "set min_workers <= max_workers (to sweep fixed world sizes: -m scaling.workers=1,2)"
-        )
-    _positive("scaling.cpus_per_worker", sc.cpus_per_worker)
-    _positive("data.global_batch_size", d.global_batch_size)
-    data_format(d.format).check(d, cfg.model)
-    _positive("data.prefetch_mb", d.prefetch_mb)
-    _positive("data.cache_mb", d.cache_mb, allow_zero=True)
-    _positive("data.shuffle_window_rows", d.shuffle_window_rows)
-    if d.micro_batch_size is not None:
-        _positive("data.micro_batch_size", d.micro_batch_size)
+    """Reject every value the run could not use, naming the key and the fix: each
+    section's fixed choices, its own checks (its ``validate()``), then what spans
+    sections."""
+    for section in dataclasses.fields(cfg):
+        if section.name != "model":  # a model family checks its own keys
+            _check_choices(getattr(cfg, section.name), f"{section.name}.")
+    cfg.strategy.validate()
+    cfg.scaling.validate()
+    cfg.data.validate()
+    data_format(cfg.data.format).check(cfg.data, cfg.model)
     _check_lanes(cfg)
-    _allowed("scaling.placement_strategy", sc.placement_strategy, PLACEMENT_STRATEGIES)
-    if sc.max_failures < -1:
-        raise ConfigError(f"scaling.max_failures={sc.max_failures}: use -1 (no limit) or >= 0")
-    _positive("scaling.placement_timeout_s", sc.placement_timeout_s, allow_zero=True)
-    for key in (
-        "resize_interval_s",
-        "start_timeout_s",
-        "health_check_interval_s",
-        "worker_health_check_timeout_s",
-        "drain_poll_interval_s",
-        "node_refresh_s",
-    ):
-        _positive(f"scaling.{key}", getattr(sc, key))
-    if not str(d.path).strip():
-        raise ConfigError("data.path is empty: set data.path=/dir/with/parquet/shards")
-    _positive("trainer.max_steps", t.max_steps, allow_zero=True)
-    _positive("trainer.max_epochs", t.max_epochs, allow_zero=True)
-    if t.max_steps == 0 and t.max_epochs == 0:
-        raise ConfigError(
-            "trainer.max_steps=0 and trainer.max_epochs=0 would never stop: set one of them > 0"
-        )
-    if o.schedule == "cosine" and t.max_steps == 0:
+    cfg.trainer.validate()
+    if cfg.optim.schedule == "cosine" and cfg.trainer.max_steps == 0:
         raise ConfigError(
             "optim.schedule=cosine decays over trainer.max_steps, which is 0: "
             "set trainer.max_steps (the cosine's length) or optim.schedule=constant"
         )
-    _positive("trainer.log_every_steps", t.log_every_steps)
-    _positive("trainer.val_every_steps", t.val_every_steps, allow_zero=True)
-    _positive("trainer.stop_at_step", t.stop_at_step, allow_zero=True)
-    _allowed("optim.name", o.name, ("adamw", "adam", "sgd"))
-    _allowed("optim.schedule", o.schedule, ("constant", "cosine"))
-    _positive("optim.lr", o.lr)
-    _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
-    _positive("optim.eps", o.eps)
-    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
-        raise ConfigError(
-            f"optim.betas={list(o.betas)} is not valid: use two numbers in [0, 1), e.g. [0.9,0.999]"
-        )
-    _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
-    _allowed("trainer.progress", t.progress, ("auto", "bar", "plain", "off"))
-    _positive("trainer.progress_every_s", t.progress_every_s)
+    cfg.optim.validate()
     if cfg.metrics.target is not None:
         _check_target(cfg)
-    _positive("checkpoint.every_steps", cfg.checkpoint.every_steps, allow_zero=True)
-    _positive("checkpoint.keep", cfg.checkpoint.keep)
-    _allowed("logger.kind", cfg.logger.kind, ("wandb", "none"))
-    _allowed("logger.mode", cfg.logger.mode, ("auto", "online", "offline"))
-    name = cfg.run.name
-    if (
-        not name.strip()
-        or name in (".", "..")
-        or any(c in name for c in "/\\")
-        or not name.isprintable()
-        or len(name.encode()) > RUN_NAME_BYTES
-    ):
-        # the run's folder is storage_path/name: ".." would write (and clean stale
-        # checkpoints) in the folder that holds every other run; a newline or a name
-        # past the filesystem's 255 bytes (with a sweep's "-N") fails far later
-        shown = name if len(name) <= 40 else f"{name[:37]}..."
-        raise ConfigError(
-            f"run.name={shown!r} is not valid: use a plain folder name of at most "
-            f"{RUN_NAME_BYTES} bytes, printable (no newline or tab), no '/', not '.' or '..'"
-        )
-    _check_cluster(cfg)
-    _check_stragglers(cfg)
+    cfg.checkpoint.validate()
+    cfg.run.validate()
+    cfg.cluster.validate()
+    _check_cluster_fits(cfg)
+    cfg.stragglers.validate()
     if type(cfg.model) not in MODEL_SCHEMAS.values():
         raise ConfigError("model is not set: choose one with model=NAME (see conf/model/)")
+    task_of(cfg.model).check_model()  # the task's own checks (registered, outputs)
     cfg.model.validate()
 
 
-RUN_NAME_BYTES = 200
-"""run.name's longest: a folder name (most filesystems take 255 bytes), with room for a
-sweep's ``-N`` and the files Ray writes beside it."""
+def _check_choices(section: Any, prefix: str) -> None:
+    """Every key with a fixed set of values (:func:`~elastic.config.schema.one_of`) holds
+    one of them, in nested sections (data.synthetic) too."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        choices = choices_of(f)
+        if choices is not None:
+            allowed(f"{prefix}{f.name}", value, choices)
+        elif dataclasses.is_dataclass(value):
+            _check_choices(value, f"{prefix}{f.name}.")
+
 
 LANES_PER_WORKER = 8
 """data.lanes=0: this many lanes per worker at scaling.max_workers. A lane split between
@@ -235,46 +174,10 @@ def _check_lanes(cfg: TrainConfig) -> None:
         )
 
 
-# Ray refuses a smaller object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES)
-OBJECT_STORE_MINIMUM_MB = 75
-
-
-def _check_stragglers(cfg: TrainConfig) -> None:
-    st = cfg.stragglers
-    if not st.threshold > 1:
-        raise ConfigError(
-            f"stragglers.threshold={st.threshold} is not valid: it must be > 1 (a rank "
-            "this many times slower than the others' median, e.g. 1.3)"
-        )
-    if st.window < 1:
-        raise ConfigError(
-            f"stragglers.window={st.window} is not valid: it must be >= 1 (log intervals)"
-        )
-    _allowed("stragglers.policy", st.policy, STRAGGLER_POLICIES)
-    _positive("stragglers.cooldown_s", st.cooldown_s, allow_zero=True)
-    _positive("stragglers.max_evictions", st.max_evictions, allow_zero=True)
-    if st.policy == "evict" and st.max_evictions == 0:
-        raise ConfigError(
-            "stragglers.policy=evict with stragglers.max_evictions=0 evicts nothing: "
-            "allow at least one, or use stragglers.policy=report"
-        )
-
-
-def _check_cluster(cfg: TrainConfig) -> None:
+def _check_cluster_fits(cfg: TrainConfig) -> None:
     """What the embedded cluster is given must be able to run the job: Ray would
     otherwise ask its autoscaler for CPUs no node has, every 35 s, forever."""
     c, sc = cfg.cluster, cfg.scaling
-    if c.object_store_memory_mb < OBJECT_STORE_MINIMUM_MB:
-        raise ConfigError(
-            f"cluster.object_store_memory_mb={c.object_store_memory_mb} is not valid: Ray "
-            f"needs at least {OBJECT_STORE_MINIMUM_MB}"
-        )
-    _positive("cluster.connect_timeout_s", c.connect_timeout_s)
-    if c.address and not host_port(c.address):
-        raise ConfigError(
-            f"cluster.address={c.address!r} is not valid: use HOST:PORT of the head's GCS "
-            "(e.g. 10.0.0.1:6379), or leave it empty for an embedded local cluster"
-        )
     if c.num_cpus is None or c.address:
         return
     import math
@@ -287,14 +190,6 @@ def _check_cluster(cfg: TrainConfig) -> None:
             f"x scaling.cpus_per_worker={sc.cpus_per_worker} plus one CPU for reading data: "
             f"set cluster.num_cpus >= {needed} (or null: all of this machine's)"
         )
-
-
-def host_port(address: str) -> tuple[str, int] | None:
-    """(host, port) of ``HOST:PORT`` (``ray://`` allowed, IPv6 in brackets), else None."""
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        return None
-    return host.strip("[]"), int(port)
 
 
 def _check_target(cfg: TrainConfig) -> None:
