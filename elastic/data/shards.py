@@ -309,7 +309,7 @@ def _duplicate_ids(path: str, files: list[str]) -> None:
 def split_warnings(cfg: DataConfig, max_workers: int, splits: dict[str, Split]) -> list[str]:
     """What in the splits will work, but not as a user likely means it: a training split
     smaller than one global batch, and splits with fewer row groups than workers (a row
-    group is the unit a worker reads: see README "Bring your own dataset or model")."""
+    group is the unit a worker reads: see README "Bring your own dataset, model or task")."""
     out = []
     train = splits["train"]
     if train.rows < cfg.global_batch_size:

@@ -43,8 +43,8 @@ class RunControl(DrainWatching):
     Its two readers ask standing questions (:meth:`wait_stop`, :meth:`wait_status`)
     that it answers the moment there is news, else after a timeout: a call per piece
     of news (the driver's: rank 0's log lines) or every 10 s, instead of a poll every
-    0.5 s each (a call cost ~3 ms of CPU here, the caller's, the actor's and Ray's
-    together: the polls were ~1% of a core, measured 2026-12-06)."""
+    0.5 s each (a call costs milliseconds of CPU, the caller's, the actor's and Ray's
+    together: polls at that rate take a share of the cores the training runs on)."""
 
     def __init__(self) -> None:
         self._news = threading.Condition()  # guards every field; notified on news

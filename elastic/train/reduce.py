@@ -26,13 +26,12 @@ a parameter frozen or unfrozen during the run. Memory: the buckets hold the grad
 between steps (4 bytes a parameter, as torch DDP's do), where DeepSpeed frees them
 after the optimizer step and flattens them into a second buffer during its reduction.
 
-On by default (``strategy.overlap_reduce``; false for DeepSpeed's): on 2 cores, 2 ranks,
-loopback gloo and the smoke model, 0.969x the step time of the same elastic run with
-DeepSpeed's reduction, in the same rounds (95% 0.958-0.981; ``python launch/bench.py
-overhead --rounds 4 --zero-stages 0 --variant 'overlap=strategy.overlap_reduce=true'``
-while it was off by default, 2026-12-06: docs/performance.md#step-overhead). Where the
-all-reduce crosses a network, more of it can hide behind the backward pass; that is not
-measured yet. Not run on a GPU yet (NCCL: the hooks run on the backward pass's stream,
+On by default (``strategy.overlap_reduce``; false for DeepSpeed's) because it was
+measured faster than DeepSpeed's reduction on the same runs (``python launch/bench.py
+overhead --zero-stages 0 --variant 'deepspeed=strategy.overlap_reduce=false'``; the
+figures: docs/performance.md#step-overhead). Where the all-reduce crosses a network,
+more of it can hide behind the backward pass; that is not measured yet. Not run on a
+GPU yet (NCCL: the hooks run on the backward pass's stream,
 the collectives wait for it)."""
 
 from __future__ import annotations
