@@ -135,7 +135,12 @@ MISTAKES = {
     ),
     # a decoder that raises on every batch (found in the workers, 10 retries, before)
     "decoder": (
-        [('"y": batch[target_column]', '"y": batch[target_colum]')],
+        [
+            (
+                '"y": column_to_numpy(batch[target_column])',
+                '"y": column_to_numpy(batch[target_colum])',
+            )
+        ],
         "data.format=spectrum's decoder (decode_spectra) on sample_id 0..3 raised NameError",
     ),
     "build": (
@@ -155,7 +160,7 @@ MISTAKES = {
     ),
     # labels as the task cannot use them: a class the model does not have
     "labels": (
-        [('"y": batch[target_column].to_numpy(),', '"y": batch[target_column].to_numpy() + 3,')],
+        [("batch[target_column]),", "batch[target_column]) + 3,")],
         "but model=spectrum_cnn has classes 0..2",
     ),
 }

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import torch
 from torch import nn
 
-from elastic.data.formats import DataFormat, register_format
+from elastic.data.formats import DataFormat, column_to_numpy, register_format
 from elastic.errors import ConfigError
 from elastic.models import ModelConfig, register_model
 from elastic.tasks import Task, register_task
@@ -37,7 +37,7 @@ def decode_spectra(
     return {
         "sample_id": batch["sample_id"].to_numpy().astype(np.int64),
         "x": x,
-        "y": batch[target_column].to_numpy(),
+        "y": column_to_numpy(batch[target_column]),  # labels, or lists of 0/1 (peaks)
     }
 
 
