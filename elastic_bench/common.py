@@ -56,20 +56,32 @@ def smoke_config(extra: list[str]):
 
 
 def train(
-    overrides: list[str], steps: int, workdir: str, label: str, log_every: int = 10
+    overrides: list[str],
+    steps: int,
+    workdir: str,
+    label: str,
+    log_every: int = 10,
+    checkout: Path | None = None,
 ) -> tuple[list, dict]:
     """Train ``steps`` steps through launch/run.py (log every ``log_every``, no
     checkpoints, no W&B) under ``workdir``; the run's metrics.jsonl records and its
-    summary.json."""
+    summary.json. ``checkout``: another source checkout of elastic whose launch/run.py and
+    package run (the code before a change, beside it), on the driver and the workers."""
     name = f"{label}-{time.time_ns()}"
     out = Path(workdir) / name
+    env = None
+    if checkout is not None:  # its package first on the path, for Ray's workers too
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(checkout), *filter(None, [os.environ.get("PYTHONPATH")])]
+        )}  # fmt: skip
     cmd = [
-        sys.executable, str(REPO / "launch/run.py"), *overrides, f"trainer.max_steps={steps}",
+        sys.executable, str((checkout or REPO) / "launch/run.py"), *overrides,
+        f"trainer.max_steps={steps}",
         f"trainer.log_every_steps={log_every}", "checkpoint.every_steps=0", "logger=none",
         "trainer.progress=off", f"run.storage_path={workdir}", f"run.name={name}",
         f"hydra.run.dir={out}/hydra",
     ]  # fmt: skip
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     return read_records(str(out)), json.loads((out / "hydra" / "summary.json").read_text())
 
 

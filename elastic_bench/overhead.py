@@ -38,6 +38,7 @@ import statistics
 import tempfile
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from elastic.cluster.allocator import worker_malloc_env
@@ -80,8 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=OVERRIDES",
         help="an elastic variant run in every round beside the default, at each stage, e.g. "
-        "--variant 'after=strategy.overlap_reduce=false' (overrides separated by spaces): "
-        "judged against the same peer and against the default elastic run; no verdict",
+        "--variant 'after=strategy.overlap_reduce=false' (overrides separated by spaces), "
+        "or another checkout's code: --variant 'before=@/path/to/checkout' (a git worktree "
+        "of the commit before a change): judged against the same peer and against the "
+        "default elastic run; no verdict",
     )
     p.add_argument(
         "--deepspeed-malloc",
@@ -92,7 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="extra config overrides for the elastic run")
 
 
-def _elastic_step_s(overrides: list[str], steps: int, workdir: str) -> dict[str, Any]:
+def _elastic_step_s(
+    overrides: list[str], steps: int, workdir: str, checkout: Path | None = None
+) -> dict[str, Any]:
     """Step times of one elastic run after warm-up, from its 10-step log intervals.
 
     ``steady``: the median over the intervals after the first epoch (the train split
@@ -101,7 +106,9 @@ def _elastic_step_s(overrides: list[str], steps: int, workdir: str) -> dict[str,
     over the first epoch's intervals, while Ray Data reads and decodes the Parquet shards
     on the same two cores. ``with_epoch_starts``: the mean over every step after warm-up
     (intervals holding an epoch start included)."""
-    records, _ = train(["+experiment=smoke", *overrides], steps, workdir, "bench")
+    records, _ = train(
+        ["+experiment=smoke", *overrides], steps, workdir, "bench", checkout=checkout
+    )
     times, epochs = {}, {}
     for rec in records:
         if "train/loss" in rec:
@@ -230,7 +237,14 @@ def parse_variants(texts: list[str]) -> dict[str, list[str]]:
         if not name.isidentifier() or not overrides or taken:
             raise SystemExit(
                 f"bench overhead: --variant {text!r}: give a new name, '=', then the "
-                "overrides, e.g. --variant 'after=strategy.overlap_reduce=false'"
+                "overrides, e.g. --variant 'after=strategy.overlap_reduce=false', or "
+                "@CHECKOUT, e.g. --variant 'before=@/tmp/before'"
+            )
+        checkout = overrides[0][1:] if overrides[0].startswith("@") else None
+        if checkout is not None and not (Path(checkout) / "launch" / "run.py").is_file():
+            raise SystemExit(
+                f"bench overhead: --variant {text!r}: {checkout} is not a checkout of elastic "
+                "(no launch/run.py): make one with git worktree add PATH COMMIT"
             )
         variants[name] = overrides
     return variants
@@ -294,7 +308,8 @@ def measure(args: argparse.Namespace) -> dict:
     variants = parse_variants(args.variant)
     cfg = smoke_config([f"strategy.zero_stage={stages[0]}", *args.overrides])
     for overrides in variants.values():  # a bad override fails here, not rounds in
-        smoke_config([f"strategy.zero_stage={stages[0]}", *args.overrides, *overrides])
+        if not overrides[0].startswith("@"):  # another checkout's: its own config
+            smoke_config([f"strategy.zero_stage={stages[0]}", *args.overrides, *overrides])
     prepare_data(cfg)
     rounds = []
     cpu_rounds: list[dict[str, dict[str, Any]]] = []  # CPU ms a step, by run
@@ -321,9 +336,11 @@ def measure(args: argparse.Namespace) -> dict:
                 else:
                     variant = who.partition(":")[2]
                     name = f"elastic_zero{stage}" + (f"_{variant}" if variant else "")
-                    overrides += variants.get(variant, [])
+                    extra, checkout = variants.get(variant, []), None
+                    if extra and extra[0].startswith("@"):  # another checkout's code
+                        checkout, extra = Path(extra[0][1:]).resolve(), extra[1:]
                     step_s, cpu[name] = _counted(
-                        partial(_elastic_step_s, overrides, args.steps, workdir)
+                        partial(_elastic_step_s, overrides + extra, args.steps, workdir, checkout)
                     )
                     result[name] = step_s["steady"]
                     result[f"{name}_first_epoch"] = step_s["first_epoch"]

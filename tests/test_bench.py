@@ -301,6 +301,11 @@ def test_an_overhead_variant_runs_next_to_the_same_peer_as_the_default():
     for bad in bad_ones:
         with pytest.raises(SystemExit, match="--variant"):
             parse_variants(bad)
+    # the code before a change, from another checkout: it must be one
+    repo = str(Path(__file__).resolve().parent.parent)
+    assert parse_variants([f"before=@{repo}"]) == {"before": [f"@{repo}"]}
+    with pytest.raises(SystemExit, match="is not a checkout of elastic"):
+        parse_variants(["before=@/nonexistent/checkout"])
 
 
 def test_a_peers_step_time_is_the_median_of_its_10_step_intervals_as_elastics_is(monkeypatch):
