@@ -310,7 +310,7 @@ def _keys_with_choices() -> list[tuple[str, tuple[str, ...]]]:
     import dataclasses
     import typing
 
-    from elastic.config.schema import choices_of
+    from elastic.fields import choices_of
 
     sections = typing.get_type_hints(TrainConfig)
     return [

@@ -12,8 +12,9 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from elastic.config.schema import TrainConfig, choices_of
+from elastic.config.schema import TrainConfig
 from elastic.data.formats import FORMATS
+from elastic.fields import choices_of
 from elastic.models import MODEL_SCHEMAS
 from elastic.observe.summary import SUMMARY_KEYS
 from elastic.plugins import load_plugins

@@ -99,3 +99,22 @@ def test_the_product_imports_no_benchmark_and_no_test_harness():
                 names = [a.name for a in node.names]
             bad = [n for n in names if n.split(".")[0] in tooling]
             assert not bad, f"{path.relative_to(PACKAGE.parent)} imports {bad}"
+
+
+def test_packages_import_each_other_in_one_direction():
+    """Between the packages of elastic (config, data, train, ...) the imports go one way:
+    no package imports another that imports it back, through any chain. config composes
+    the sections data and observe define; train runs on cluster; nothing imports train."""
+    modules = _modules()
+
+    def package(m: str) -> str:
+        return ".".join(m.split(".")[:2])
+
+    graph: dict[str, set[str]] = {}
+    for m, path in modules.items():
+        graph.setdefault(package(m), set()).update(
+            package(d) for d in _imports(path, modules) if package(d) != package(m)
+        )
+    cycle = _cycle(graph)
+    assert cycle is None, "packages import each other: " + " -> ".join(cycle or [])
+    assert not any("elastic.train" in deps for p, deps in graph.items() if p != "elastic.train")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # launch/run.py imports this module first thing: keep it light
-    from elastic.config.schema import ClusterConfig, ScalingConfig
+    from elastic.cluster.settings import ClusterConfig, ScalingConfig
 
 # Settings every worker process needs, whatever node it lands on.
 WORKER_ENV = {
@@ -198,7 +198,7 @@ def wait_for_head(address: str, timeout_s: float) -> None:
     import socket
     import time
 
-    from elastic.config.validate import host_port
+    from elastic.cluster.settings import host_port
     from elastic.errors import ConfigError
 
     found = host_port(address)

@@ -252,8 +252,8 @@ def check_storage(cfg: TrainConfig) -> None:
 
 def check_data(cfg: TrainConfig) -> None:
     """Data errors at config time; synthetic data that is missing gets generated later."""
+    from elastic.config.probe import probe
     from elastic.data.formats import data_format, input_width
-    from elastic.data.probe import probe
     from elastic.data.shards import check_dataset, list_shards
 
     if cfg.data.synthetic is not None and not os.path.isdir(cfg.data.path):

@@ -10,117 +10,16 @@ its default and choices (tests/test_docs.py holds it to these classes).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from omegaconf import MISSING
 
+from elastic.cluster.settings import ClusterConfig, ScalingConfig
+from elastic.data.settings import DataConfig
 from elastic.errors import ConfigError
-
-CHOICES = "choices"
-"""The field metadata that holds a key's fixed set of values (:func:`one_of`)."""
-
-
-def one_of(choices: Any, default: str) -> Any:
-    """A key whose value is one of the ``Literal`` type ``choices``, with this default.
-
-    OmegaConf 2.3 refuses ``Literal`` annotations in structured configs, so the key is
-    typed ``str`` and its choices ride on the field: validation (and its message) and
-    the docs test read them from there (:func:`choices_of`), nowhere else."""
-    values = get_args(choices)
-    if default not in values:
-        raise ValueError(f"default {default!r} is not one of {values}")
-    return field(default=default, metadata={CHOICES: values})
-
-
-def choices_of(f: dataclasses.Field[Any]) -> tuple[str, ...] | None:
-    """The fixed set of values of the key ``f``, or None where it takes any value."""
-    return f.metadata.get(CHOICES)
-
-
-def allowed(key: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key}={value!r} is not valid: use one of {', '.join(choices)}")
-
-
-def positive(key: str, value: float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{key}={value} is not valid: it must be {bound}")
-
-
-@dataclass
-class SyntheticDataConfig:
-    """How to generate the synthetic dataset when ``data.path`` does not exist yet."""
-
-    rows: int = 4096
-    val_rows: int = 512
-    shards: int = 8
-    input_dim: int = 64
-    output_dim: int = 1
-    seed: int = 0
-
-
-@dataclass
-class DataConfig:
-    path: str = MISSING
-    """Directory of training Parquet shards."""
-    val_path: str | None = None
-    """Directory of validation Parquet shards; null = no validation."""
-    global_batch_size: int = 64
-    """Samples per optimizer step, summed over all workers: the same rows at every world
-    size from 1 to this number (data.lanes), which need not divide it."""
-    micro_batch_size: int | None = None
-    """Largest forward batch per worker: a worker's slice of a step (the global batch
-    over the world size, give or take a row) is cut into as many micro batches as the
-    largest slice needs (gradient accumulation). null = the whole slice at once."""
-    input_column: str = "x"
-    target_column: str = "y"
-    format: str = "array"
-    """array: the input column holds arrays (fixed-size lists); image: encoded image
-    bytes (PNG, JPEG, ...), decoded and resized in Ray Data's map_batches; contacts:
-    bit-packed contact maps (datasets/protein), decoded to 0/1 vectors. A format's own
-    settings are the keys data.<format>.* (e.g. data.image.size): see
-    :func:`elastic.config.compose.train_schema`."""
-    seed: int = 0
-    """Seed of the data's randomness (every epoch's row order, augmentation)."""
-    shuffle: bool = True
-    """A new row order every epoch, fixed by data.seed and the epoch: the row groups in a
-    shuffled order, the rows of each lane's windows permuted (data.shuffle_window_rows).
-    false = the shards' own order every epoch."""
-    lanes: int = 0
-    """Canonical lanes the epoch's rows are dealt into (README "When a node dies or
-    joins"): every global batch takes the same rows of every lane whatever the world
-    size, so the lane count is part of the run's row order (set it to compare runs of
-    different scaling.max_workers). A worker holds and reads about lanes / world size + 1
-    lanes; a lane split between two workers is read by both. 0 = 8 x
-    scaling.max_workers, at most data.global_batch_size."""
-    shuffle_window_rows: int = 256
-    """Rows of a lane permuted together (a seekable shuffle: a resume finds its rows from
-    the Parquet footers). Memory: each worker holds, decoded, a window and a row group
-    for each of its lanes. 1 = each lane's rows in shard order."""
-    prefetch_mb: float = 128.0
-    """Per-worker read-ahead buffer of decoded row groups; it also hides the start of the
-    next epoch."""
-    cache_mb: float = 512.0
-    """When the whole train split, decoded, is at most this (MiB), each worker keeps
-    every row group it decodes: it reads each one once per run, and later epochs come
-    from memory. 0 streams every epoch."""
-    synthetic: SyntheticDataConfig | None = None
-    """Set for generated data: the dataset is written to ``path`` when it is missing."""
-
-    def validate(self) -> None:
-        """The format's own checks, and the lanes against the world sizes, are
-        :func:`elastic.config.validate.validate`'s (they need the model and scaling)."""
-        positive("data.global_batch_size", self.global_batch_size)
-        positive("data.prefetch_mb", self.prefetch_mb)
-        positive("data.cache_mb", self.cache_mb, allow_zero=True)
-        positive("data.shuffle_window_rows", self.shuffle_window_rows)
-        if self.micro_batch_size is not None:
-            positive("data.micro_batch_size", self.micro_batch_size)
-        if not str(self.path).strip():
-            raise ConfigError("data.path is empty: set data.path=/dir/with/parquet/shards")
+from elastic.fields import one_of, positive
+from elastic.observe.settings import LoggerConfig
 
 
 @dataclass
@@ -179,87 +78,6 @@ RETIRED_KEYS = {
     "scaling.batch_policy": "it is gone: every world size up to data.global_batch_size trains "
     "the same global batch, whether or not it divides it",
 }
-
-
-@dataclass
-class ScalingConfig:
-    min_workers: int = 2
-    max_workers: int = 2
-    """min < max is elastic: Ray Train runs as many workers as the cluster holds, shrinks
-    when a node dies and grows when one joins (restarting from the latest checkpoint)."""
-    workers: int | None = None
-    """Set: a fixed world size, min_workers = max_workers = workers (for a scaling
-    sweep: ``-m scaling.workers=1,2,4``)."""
-    use_gpu: bool = False
-    cpus_per_worker: float = 1.0
-    placement_strategy: str = one_of(
-        Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"], "PACK"
-    )
-    """How workers are placed on nodes (Ray placement group strategy): PACK fills a node
-    first, SPREAD puts them on as many nodes as it can (one worker per node on a batch
-    allocation), STRICT_PACK / STRICT_SPREAD insist."""
-    max_failures: int = 10
-    """Worker/node failures to recover from (Ray's FailureConfig); -1 = no limit.
-    Preemptions (node drains) are not counted against it."""
-    resize_interval_s: float = 10.0
-    """How often a healthy elastic run checks whether more workers fit (Ray default 60)."""
-    start_timeout_s: float = 5.0
-    """Give up on starting a worker group after this long and retry at the size the
-    cluster now holds (Ray default 60: a dead node's workers are waited for that long)."""
-    placement_timeout_s: float = 600.0
-    """End the run (one line, naming what the nodes offer) when no worker group has been
-    up for this long while one is being started: nodes gone below scaling.min_workers,
-    or a placement the cluster cannot give (Ray Train would retry forever). 0 = wait
-    as long as it takes (for nodes that are yet to join)."""
-    health_check_interval_s: float = 1.0
-    """Controller polls of the workers (Ray default 2)."""
-    worker_health_check_timeout_s: float = 60.0
-    """A worker whose health check hangs this long is dead (Ray default 600)."""
-    node_refresh_s: float = 2.0
-    """How often the node view Ray Train sizes elastic groups from is refreshed (Ray Data's
-    autoscaling coordinator; Ray default 20): a dead node stops being asked for, and a
-    new node is used, within this."""
-    drain_poll_interval_s: float = 1.0
-    """How often Ray Train looks for drained (preempted) nodes (Ray default 5); a drain
-    makes the run checkpoint at once."""
-
-    def validate(self) -> None:
-        """scaling.workers is resolved (and checked) before, by
-        :func:`elastic.config.validate.to_typed`."""
-        if self.min_workers < 1:
-            raise ConfigError(
-                f"scaling.min_workers={self.min_workers} is not valid: it must be >= 1"
-            )
-        if self.min_workers > self.max_workers:
-            raise ConfigError(
-                f"scaling.min_workers={self.min_workers} > scaling.max_workers="
-                f"{self.max_workers}: set min_workers <= max_workers (to sweep fixed world "
-                "sizes: -m scaling.workers=1,2)"
-            )
-        positive("scaling.cpus_per_worker", self.cpus_per_worker)
-        if self.max_failures < -1:
-            raise ConfigError(
-                f"scaling.max_failures={self.max_failures}: use -1 (no limit) or >= 0"
-            )
-        positive("scaling.placement_timeout_s", self.placement_timeout_s, allow_zero=True)
-        for key in (
-            "resize_interval_s",
-            "start_timeout_s",
-            "health_check_interval_s",
-            "worker_health_check_timeout_s",
-            "drain_poll_interval_s",
-            "node_refresh_s",
-        ):
-            positive(f"scaling.{key}", getattr(self, key))
-
-    def ray_env(self) -> dict[str, str]:
-        """Ray Train's recovery knobs, as the environment its controller reads."""
-        return {
-            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(self.start_timeout_s),
-            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(self.health_check_interval_s),
-            "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": str(self.worker_health_check_timeout_s),
-            "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": str(self.drain_poll_interval_s),
-        }
 
 
 @dataclass
@@ -385,55 +203,6 @@ class RunConfig:
                 f"run.name={shown!r} is not valid: use a plain folder name of at most "
                 f"{RUN_NAME_BYTES} bytes, printable (no newline or tab), no '/', not '.' or '..'"
             )
-
-
-@dataclass
-class LoggerConfig:
-    kind: str = one_of(Literal["wandb", "none"], "wandb")
-    project: str = "elastic"
-    entity: str | None = None
-    mode: str = one_of(Literal["auto", "online", "offline"], "auto")
-    """auto: online when a W&B key is configured, else offline."""
-
-
-# Ray refuses a smaller object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES)
-OBJECT_STORE_MINIMUM_MB = 75
-
-
-@dataclass
-class ClusterConfig:
-    address: str = ""
-    """Empty: start an embedded local Ray cluster. Else the head's explicit address
-    (``host:port`` of its GCS, as the bootstrap exports it)."""
-    connect_timeout_s: float = 60.0
-    """How long an explicit ``address`` may take to answer before the run ends, in one
-    line (Ray itself retries for minutes without a word)."""
-    num_cpus: int | None = None
-    """CPUs for the embedded cluster (null = all of this machine's)."""
-    object_store_memory_mb: int = 512
-
-    def validate(self) -> None:
-        """Whether the embedded cluster can hold the workers is
-        :func:`elastic.config.validate.validate`'s (it needs scaling)."""
-        if self.object_store_memory_mb < OBJECT_STORE_MINIMUM_MB:
-            raise ConfigError(
-                f"cluster.object_store_memory_mb={self.object_store_memory_mb} is not valid: "
-                f"Ray needs at least {OBJECT_STORE_MINIMUM_MB}"
-            )
-        positive("cluster.connect_timeout_s", self.connect_timeout_s)
-        if self.address and not host_port(self.address):
-            raise ConfigError(
-                f"cluster.address={self.address!r} is not valid: use HOST:PORT of the head's "
-                "GCS (e.g. 10.0.0.1:6379), or leave it empty for an embedded local cluster"
-            )
-
-
-def host_port(address: str) -> tuple[str, int] | None:
-    """(host, port) of ``HOST:PORT`` (``ray://`` allowed, IPv6 in brackets), else None."""
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        return None
-    return host.strip("[]"), int(port)
 
 
 @dataclass

@@ -13,21 +13,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from elastic.config.schema import (
-    RETIRED_KEYS,
-    DataConfig,
-    TrainConfig,
-    allowed,
-    choices_of,
-    host_port,
-)
+from elastic.config.schema import RETIRED_KEYS, DataConfig, TrainConfig
 from elastic.data.formats import data_format
 from elastic.errors import ConfigError
+from elastic.fields import allowed, choices_of
 from elastic.models import MODEL_SCHEMAS
 from elastic.tasks import task_of
 
-# host_port is the schema's (cluster.address); elastic.cluster.connect imports it from here
-__all__ = ["host_port", "resolve_paths", "to_typed", "validate"]
+__all__ = ["resolve_paths", "to_typed", "validate"]
 
 
 def to_typed(cfg: DictConfig) -> TrainConfig:
@@ -137,7 +130,7 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def _check_choices(section: Any, prefix: str) -> None:
-    """Every key with a fixed set of values (:func:`~elastic.config.schema.one_of`) holds
+    """Every key with a fixed set of values (:func:`~elastic.fields.one_of`) holds
     one of them, in nested sections (data.synthetic) too."""
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)

@@ -25,7 +25,7 @@ from elastic.registry import Registry
 from elastic.tasks import task_of
 
 if TYPE_CHECKING:
-    from elastic.config.schema import DataConfig
+    from elastic.data.settings import DataConfig
     from elastic.models.base import ModelConfig
 
 Decoder = Callable[..., dict[str, np.ndarray]]

@@ -16,10 +16,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from elastic.config.schema import DataConfig
 from elastic.data.assemble import GROUP_COLUMNS
 from elastic.data.footers import footer
 from elastic.data.formats import Finisher, data_format
+from elastic.data.settings import DataConfig
 from elastic.data.shards import ID_COLUMN, Split
 from elastic.errors import user_code
 

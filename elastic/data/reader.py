@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from elastic.config.schema import DataConfig
 from elastic.data.assemble import SliceAssembler
 from elastic.data.footers import footer
 from elastic.data.order import EpochPlan, Group, Layout, Split
 from elastic.data.pipeline import finisher
+from elastic.data.settings import DataConfig
 from elastic.data.stream import StepBatch
 from elastic.errors import DataError
 

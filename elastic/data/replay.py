@@ -37,9 +37,9 @@ def step_batch(run_dir: str, data_path: str, step: int) -> dict[str, Any]:
     """Global batch ``step`` (1-based, as logged) of the run in ``run_dir`` on the shards
     in ``data_path``: its epoch, its step in the epoch and its rows, lane by lane, as
     sample ids and (file, row group, row)."""
-    from elastic.config.schema import DataConfig
     from elastic.data.order import Layout
     from elastic.data.reader import data_changes, data_record, epoch_plan
+    from elastic.data.settings import DataConfig
     from elastic.data.shards import check_dataset
 
     state = newest_state(run_dir)

@@ -18,8 +18,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from elastic.config.schema import DataConfig
 from elastic.data.footers import ID_COLUMN, Footer, FooterError, each_file, file_key, footers
+from elastic.data.settings import DataConfig
 from elastic.errors import ConfigError, exception_chain
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from elastic.config.schema import DataConfig
 from elastic.data.pipeline import decoder, finisher, read_columns
+from elastic.data.settings import DataConfig
 from elastic.data.shards import ID_COLUMN
 
 

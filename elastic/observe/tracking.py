@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any
 
-from elastic.config.schema import LoggerConfig
+from elastic.observe.settings import LoggerConfig
 
 STEP_KEY = "trainer/step"
 HISTORY_FILE = "metrics.jsonl"

@@ -16,10 +16,10 @@ from typing import Any
 from elastic.cluster.connect import STOP_SIGNALS, off_the_terminal, stop_signals
 from elastic.cluster.cordon import Cordons
 from elastic.cluster.placement import check_resources, no_group_started
+from elastic.config.probe import probe
 from elastic.config.schema import TrainConfig
 from elastic.data.order import Layout
 from elastic.data.pipeline import fits_cache, warm_up
-from elastic.data.probe import probe
 from elastic.data.reader import content_changes, data_record, layout_changes, setting_changes
 from elastic.data.shards import Split, check_dataset, split_warnings
 from elastic.errors import CheckpointError, ClusterUnavailableError, RunError

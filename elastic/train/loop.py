@@ -64,7 +64,7 @@ class WorkerArgs:
     train_rows: int
     empty: dict[str, np.ndarray] = field(default_factory=dict)
     """A batch of no rows with the decoded rows' shapes and dtypes (the driver's
-    :func:`~elastic.data.probe.probe`): what a rank with no rows of a step trains on."""
+    :func:`~elastic.config.probe.probe`): what a rank with no rows of a step trains on."""
     val_files: list[str] = field(default_factory=list)
     """The validation split's shards (each worker reads its share: stream.val_blocks)."""
     resume_from: str | None = None
