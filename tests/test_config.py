@@ -192,6 +192,11 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([*real, f"data.path={corrupt}", "data.val_path=null"], "not a readable Parquet"),
         ([*real, f"data.path={mixed}", "data.val_path=null"], "part-1.parquet has column 'x'"),
         (["strategy.precision=fp8"], "strategy.precision"),
+        # tasks: a name no module registers; one the model family cannot do; the family's
+        # own keys named before the task's needs
+        (["model.task=segmentation"], "model.task='segmentation' is not valid: use one of"),
+        (["model.task=multitask"], "model.task=multitask needs a model family with model.cl"),
+        (["model.task=classification", "model.output_dim=0"], "model.output_dim=0 is not val"),
         # keys of the data path before world-size-independent batches, named with their fate
         (["scaling.batch_policy=adjust"], "'scaling.batch_policy' is retired: it is gone"),
         (["+data.shuffle_buffer_rows=5"], "data.shuffle_buffer_rows is retired: it is data.shu"),

@@ -101,6 +101,8 @@ def validate(cfg: TrainConfig) -> None:
     """Reject every value the run could not use, naming the key and the fix: each
     section's fixed choices, its own checks (its ``validate()``), then what spans
     sections."""
+    if type(cfg.model) not in MODEL_SCHEMAS.values():
+        raise ConfigError("model is not set: choose one with model=NAME (see conf/model/)")
     for section in dataclasses.fields(cfg):
         if section.name != "model":  # a model family checks its own keys
             _check_choices(getattr(cfg, section.name), f"{section.name}.")
@@ -123,10 +125,9 @@ def validate(cfg: TrainConfig) -> None:
     cfg.cluster.validate()
     _check_cluster_fits(cfg)
     cfg.stragglers.validate()
-    if type(cfg.model) not in MODEL_SCHEMAS.values():
-        raise ConfigError("model is not set: choose one with model=NAME (see conf/model/)")
-    task_of(cfg.model).check_model()  # the task's own checks (registered, outputs)
-    cfg.model.validate()
+    task = task_of(cfg.model)  # a registered task
+    cfg.model.validate()  # the family's own keys first (its message names them)
+    task.check_model()  # then what the task needs of the model (classes, outputs)
 
 
 def _check_choices(section: Any, prefix: str) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from elastic.errors import ConfigError
+from elastic.models.base import ModelConfig
 from elastic.tasks.base import Task, register_task
 from elastic.tasks.regression import add_r2_sums, check_numbers, read_r2
 
@@ -28,6 +29,12 @@ class Multitask(Task):
 
     def check_model(self) -> None:
         m = self.model
+        if type(m).classes is ModelConfig.classes:  # the family has no model.classes key
+            raise ConfigError(
+                f"model.task=multitask needs a model family with model.classes (the class "
+                f"logits among its outputs), which model={m.name} does not have: use "
+                "model=resnet or model=vit, or another task"
+            )
         if not 2 <= m.classes < m.output_dim:
             raise ConfigError(
                 f"model.classes={m.classes} with model.output_dim={m.output_dim} is not "
