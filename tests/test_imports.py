@@ -118,3 +118,38 @@ def test_packages_import_each_other_in_one_direction():
     cycle = _cycle(graph)
     assert cycle is None, "packages import each other: " + " -> ".join(cycle or [])
     assert not any("elastic.train" in deps for p, deps in graph.items() if p != "elastic.train")
+
+
+READ_TASK = """
+import sys
+import pyarrow.parquet as pq
+from elastic.data.formats import FORMATS
+from elastic.data.pipeline import decoder
+from elastic.plugins import BUILTIN, load_plugins
+from elastic.data.settings import DataConfig
+
+shard = sys.argv[1]
+decode, kwargs = decoder(DataConfig(path=sys.argv[2]), shard)
+out = decode(pq.ParquetFile(shard).read_row_group(0), **kwargs)
+assert len(out["y"]) > 0, out
+load_plugins()  # a plugin-format's read task imports every built-in format's module
+assert all(m in sys.modules for m in BUILTIN) and len(FORMATS) > len(BUILTIN), sorted(FORMATS)
+print("torch" in sys.modules)
+"""
+
+
+def test_a_read_task_imports_no_torch(small_data):
+    """What a Ray Data read task imports (the pipeline, the format registry with every
+    built-in format, a real shard's decoder and its decoding) leaves torch out: it costs
+    a read process seconds of CPU that a worker group's start waits for, and decoding
+    never needs it (models and their torch are the training worker's)."""
+    import subprocess
+    import sys
+
+    shard = sorted((small_data / "train").glob("*.parquet"))[0]
+    out = subprocess.run(
+        [sys.executable, "-c", READ_TASK, str(shard), str(small_data / "train")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "False", "a read task imported torch"

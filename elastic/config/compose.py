@@ -101,7 +101,7 @@ def _hydra_message(e: Exception, overrides: list[str], search: list[str] | None 
                 return f"config key in override {override!r} is retired: {retired}"
             return (
                 f"unknown config key in override {override!r}: check its spelling against "
-                "the README's config keys"
+                "the keys in docs/config.md"
             )
         return f"bad value for {key}: {msg}; fix the override or the config file"
     if isinstance(e, ConfigCompositionException):

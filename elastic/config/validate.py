@@ -76,7 +76,7 @@ def _reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
         if key not in names:
             raise ConfigError(
                 f"unknown config key {full}: no such key in {schema.__name__} (a typo? a key "
-                "added with '+' must exist); check its spelling against the README's config keys"
+                "added with '+' must exist); check its spelling against the keys in docs/config.md"
             )
         child = node._get_node(key)
         if isinstance(child, DictConfig) and not child._is_none():

@@ -21,7 +21,6 @@ from elastic.data.footers import footer
 from elastic.data.formats import DataFormat, register_format
 from elastic.data.shards import in_val, write_split
 from elastic.errors import ConfigError, DataError
-from elastic.models.base import ImageModelConfig
 
 EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 
@@ -273,6 +272,9 @@ class ImageFormat(DataFormat):
             raise ConfigError(
                 f"data.image.augment_shift={d.augment_shift} is not valid: use 0..{d.size // 2 - 1}"
             )
+        # here, not at the top: elastic.models imports torch, which no read task needs
+        from elastic.models.base import ImageModelConfig
+
         if not isinstance(model, ImageModelConfig):
             raise ConfigError(
                 f"data.format=image needs an image model, not model={model.name}: use "

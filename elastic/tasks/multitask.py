@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from elastic.errors import ConfigError
-from elastic.models.base import ModelConfig
 from elastic.tasks.base import Task, register_task
 from elastic.tasks.regression import add_r2_sums, check_numbers, read_r2
 
@@ -28,6 +27,9 @@ class Multitask(Task):
         return 1 + 3 * (self.outputs - self.model.classes)  # rows right, then R^2's
 
     def check_model(self) -> None:
+        # here, not at the top: elastic.models imports torch, which no read task needs
+        from elastic.models.base import ModelConfig
+
         m = self.model
         if type(m).classes is ModelConfig.classes:  # the family has no model.classes key
             raise ConfigError(
