@@ -100,7 +100,7 @@ def test_bench_scale_model_and_data_series(tmp_path):
     parameter (fp32 weights and two Adam moments), the mid-epoch bitmap a bit a sample,
     the checks read more shards in more time; every series has its law."""
     cmd = [sys.executable, str(REPO / "launch/bench.py"), "scale", "--skip", "world",
-           "--params", "1e6", "4e6", "1.6e7", "--samples", "1e6", "1e7", "1e8",
+           "--params", "1e6", "2e6", "4e6", "--samples", "1e6", "1e7", "1e8",
            "--merged", "1e4", "1e5", "1e6"]  # fmt: skip
     subprocess.run(cmd, cwd=tmp_path, check=True, capture_output=True)
     report = json.loads((tmp_path / "bench-scale.json").read_text())

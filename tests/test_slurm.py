@@ -198,48 +198,43 @@ def test_failed_nodes_shrink_the_job_which_finishes(slurm, data, tmp_path):
         slurm.wait_idle(["n2", "n3"], 120)
 
 
-def test_a_join_allocation_grows_the_job(slurm, data, tmp_path):
+def test_a_join_allocation_grows_the_job_then_usr1_requeues_it_and_it_resumes(
+    slurm, data, tmp_path
+):
     """A 2-node job; a second allocation (join.sbatch, 1 node) joins its Ray cluster after
-    the first checkpoint: the job grows to world size 3 and finishes; the joining job
-    ends with it."""
+    the first checkpoint: the job grows to world size 3. Then Slurm's warning signal to
+    the batch step (what --signal=B:USR1@120 sends before the time limit): the run
+    checkpoints at that step, the joining job ends with the job's Ray cluster, the job
+    requeues itself, and the requeued job (its 2 nodes) resumes from that checkpoint and
+    finishes, every sample once. Both in one job: the suite pays one job's start and
+    one training run, not two."""
     job = Job(slurm, tmp_path, "-N", "2", "-w", "n1,n2", TRAIN, *overrides(data, *ELASTIC))
     job.wait_for("a registered checkpoint", lambda: job.registered_steps(), timeout=240)
     join = slurm.sbatch("-N", "1", "-w", "n3", "-c", "3", JOIN, job.id, cwd=tmp_path)
-    assert job.finish() == "COMPLETED", job.output()[-6000:]
-    s = job.summary()
-    assert s["world_sizes"] == [2, 3]
-    assert [(e["cause"], e["world_size"]) for e in s["events"] if e["event"] == "restart"] == [
-        ("grow", 3)
-    ]
-    assert_every_sample_once(s, data)
-    assert slurm.wait_job(join, 60) == "COMPLETED"
-
-
-def test_usr1_checkpoints_at_once_and_the_requeued_job_resumes(slurm, data, tmp_path):
-    """Slurm's warning signal to the batch step (what --signal=B:USR1@120 sends before the
-    time limit): the run checkpoints at that step, the job requeues itself, and the
-    requeued job resumes from that checkpoint and finishes."""
-    # cached epochs take about a second each: enough of them that the run is still
-    # training when the signal has gone through scancel, slurmd and the batch shell
-    # (a few steps), and few enough that the requeued job soon ends
-    job = Job(
-        slurm,
-        tmp_path,
-        "-N",
-        "2",
-        TRAIN,
-        *overrides(data, "checkpoint.every_steps=1000", "trainer.max_epochs=5"),
-    )
-    job.wait_for("step 8", lambda: job.last_step() >= 8, timeout=240)
+    grown = job.wait_for(
+        "the group grown to 3",
+        lambda: [e for e in job.events("restart") if e["cause"] == "grow"],
+        timeout=240,
+    )[0]
+    job.wait_for("a step at world size 3", lambda: job.last_step() > grown["step"], timeout=120)
     slurm.client("scancel", "--signal=USR1", "--batch", job.id)
     preempted = job.wait_for("the preemption checkpoint", lambda: job.events("preempted"), 120)
     stopped_at = preempted[0]["step"]
-    assert preempted[0]["reason"] == "SIGUSR1"
-    job.wait_for("the requeued job's resume", lambda: job.events("resume"), timeout=300)
+    assert preempted[0]["reason"] == "SIGUSR1" and preempted[0]["world_size"] == 3, preempted
+    assert slurm.wait_job(join, 120) == "COMPLETED"
+    job.wait_for(
+        "the requeued job's resume",
+        lambda: [e for e in job.events("resume") if e["step"] == stopped_at],
+        timeout=300,
+    )
     assert job.finish() == "COMPLETED", job.output()[-6000:]
     s = job.summary()
-    assert [e["step"] for e in s["events"] if e["event"] == "resume"] == [stopped_at]
+    assert s["world_sizes"] == [2, 3, 2], s["world_sizes"]
+    assert [(e["cause"], e["world_size"]) for e in s["events"] if e["event"] == "restart"] == [
+        ("grow", 3)
+    ]
+    # the grow resumed from a periodic checkpoint; the requeued job from the signal's
+    resumes = [e["step"] for e in s["events"] if e["event"] == "resume"]
+    assert resumes == [grown["step"], stopped_at] and stopped_at > grown["step"], resumes
     assert "Restarts=1" in slurm.client("scontrol", "show", "job", job.id).stdout
-    assert_every_sample_once(s, data, epochs=5)
-    # the first incarnation's checkpoint is the one at the signal, not a periodic one
-    assert stopped_at >= 8 and stopped_at % 1000 != 0
+    assert_every_sample_once(s, data)

@@ -57,6 +57,12 @@ def slow_bf16_warning(cfg: TrainConfig, cpuinfo: str = "/proc/cpuinfo") -> dict[
     }
 
 
+def compute_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The dtype the model's inputs are cast to (``strategy.precision``): what the
+    engine computes in, in training and validation alike."""
+    return torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
+
+
 def bucket_sizes(model: torch.nn.Module, stage: int) -> dict[str, int]:
     """DeepSpeed's buffers sized from the model (elements). At stages 1-3 DeepSpeed
     allocates its gradient reduce bucket whole, 5e8 elements by default: 1 GB a rank in

@@ -42,6 +42,7 @@ from elastic.train import checkpoint as ckpt
 from elastic.train.accounting import gather_ledger
 from elastic.train.batch import BatchPlan
 from elastic.train.divergence import NAMED_ROWS, Divergence
+from elastic.train.engine import compute_dtype
 from elastic.train.final import worker_summary
 from elastic.train.interval import IntervalLog
 from elastic.train.lockstep import LockStep
@@ -169,7 +170,7 @@ class StepLoop:
         """Forward, backward and optimizer step over the batch's micro-batches; the sum
         of this rank's per-row losses."""
         plan, engine, d, device = self.plan, self.engine, self.cfg.data, self.engine.device
-        dtype = torch.bfloat16 if self.cfg.strategy.precision == "bf16" else torch.float32
+        dtype = compute_dtype(self.cfg)
         with user_code(f"data.format={d.format}'s augment()", "fix the format's augment()"):
             inputs = self.format.augment(batch.x, batch.sample_id, self.state.epoch, d)
         x = torch.from_numpy(inputs).to(device, dtype)

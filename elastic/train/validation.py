@@ -24,6 +24,7 @@ from elastic.observe.tracking import NullTracker
 from elastic.tasks import MetricSums, Task
 from elastic.train.batch import BatchPlan
 from elastic.train.divergence import NAMED_ROWS
+from elastic.train.engine import compute_dtype
 
 
 class Validator:
@@ -49,7 +50,7 @@ class Validator:
         self.rank, self.world, self._agree_rows = rank, world, agree_rows
         self.micro_batch, self.empty = plan.micro_batch_size, empty
         self.device, self._collective = engine.device, collective_device
-        self.dtype = torch.bfloat16 if cfg.strategy.precision == "bf16" else torch.float32
+        self.dtype = compute_dtype(cfg)
 
     def run(self, val_files: list[str], step: int) -> dict[str, float]:
         """Collective: metrics over ``val_files`` (none: no metrics), logged at ``step``."""
