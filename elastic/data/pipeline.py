@@ -82,7 +82,7 @@ def _as_decoded(x: np.ndarray) -> np.ndarray:
     return x
 
 
-FIX_FORMAT = "fix it (README 'Bring your own dataset, model or task' says what a decoder returns)"
+FIX_FORMAT = "fix it (docs/extending.md says what a decoder returns)"
 
 
 class FormatCode:
