@@ -1,5 +1,6 @@
 """The package's import graph: no cycles (every import, lazy ones in functions too), the
-error classes at its bottom, and the core never naming a dataset format or a model."""
+error classes at its bottom, the core never naming a dataset format or a model, and
+what a Ray Data read task imports free of torch."""
 
 from __future__ import annotations
 
