@@ -102,13 +102,21 @@ def test_a_damaged_newest_checkpoint_falls_back_and_a_deleted_one_is_dropped(
 ):
     """The newest checkpoint deleted by hand (how to drop one), the one before truncated:
     the run warns naming both, resumes from the newest intact one (step 2), moves the
-    damaged one aside, trains past them; and the next start resumes as usual."""
+    damaged one aside, trains past them; and the next start resumes as usual. Saves are
+    staged under the run, not in /tmp: a save killed halfway (the driver's kill -9)
+    leaves its staging folder there, and the next start removes it."""
     run_dir = _copy(stopped_run, tmp_path, "r")
+    assert os.listdir(os.path.join(run_dir, STAGING)) == []  # cleaned after saves
+    stale = os.path.join(run_dir, STAGING, "ckpt-r0-p99999-killed")
+    os.makedirs(os.path.join(stale, "model"))
+    with open(os.path.join(stale, "model", "mp_rank_00_model_states.pt"), "wb") as f:
+        f.write(b"\0" * 1000)
     shutil.rmtree(os.path.join(run_dir, "step=000000006"))
     _truncate(os.path.join(run_dir, "step=000000004", "model", "mp_rank_00_model_states.pt"))
 
     summary = _resume(small_data, tmp_path, "r", "trainer.max_steps=8")
     assert summary["status"] == "finished" and summary["steps"] == 8
+    assert os.listdir(os.path.join(run_dir, STAGING)) == []
     assert [e["step"] for e in read_events(run_dir) if e["event"] == "resume"] == [2]
     out = capsys.readouterr().out
     assert (
@@ -255,7 +263,12 @@ def test_a_lost_list_a_torn_record_and_rewritten_data_at_one_resume(
       end, then failed reading it (exit 1, no summary.json). Now it is moved aside.
     - a shard written again with other values, same name and rows (or another
       data.path with the same names): the resume took it without a word. Now it stops
-      the resume, unless accepted."""
+      the resume, unless accepted.
+    And NaN rows in the validation split (it gave a "finished" run with null validation
+    metrics and no row named): they are left out of validation and named."""
+    import math
+
+    import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -273,6 +286,14 @@ def test_a_lost_list_a_torn_record_and_rewritten_data_at_one_resume(
     y = table["y"].combine_chunks()
     flipped = type(y).from_arrays(pc.negate(y.flatten()), y.type.list_size)
     pq.write_table(table.set_column(column, "y", flipped), shard)
+    (val_shard,) = glob.glob(str(data / "val/*.parquet"))
+    table = pq.read_table(val_shard)
+    ids = table["sample_id"].to_numpy()
+    bad = ids[[3, 40]]
+    x = np.stack(table["x"].to_numpy(zero_copy_only=False)).astype(np.float32)
+    x[np.isin(ids, bad)] = np.nan
+    x_column = pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), x.shape[1])
+    pq.write_table(table.set_column(table.schema.get_field_index("x"), "x", x_column), val_shard)
 
     with pytest.raises(RunError) as e:
         _resume(data, tmp_path, "r", "trainer.max_steps=8")
@@ -288,6 +309,15 @@ def test_a_lost_list_a_torn_record_and_rewritten_data_at_one_resume(
     )
     assert summary["status"] == "finished" and summary["steps"] == 8
     assert [e["step"] for e in read_events(run_dir) if e["event"] == "resume"] == [6]
+    val = summary["val"]
+    assert val["rows_left_out"] == 2 and val["samples"] == len(ids) - 2, val
+    assert all(math.isfinite(v) for v in val.values()), val
+    (event,) = [e for e in summary["events"] if e["event"] == "val_rows_left_out"]
+    name = os.path.basename(val_shard)
+    assert (
+        "2 with a loss that is not finite (nan/inf in the row): "
+        f"sample_id {bad[0]} ({name}), {bad[1]} ({name})" in event["detail"]
+    ), event
     out = capsys.readouterr().out
     assert "resuming on the data as it is now" in out
     assert f"Ray Train's checkpoint list in {run_dir} is unreadable (" in out
@@ -351,22 +381,6 @@ def test_a_full_disk_is_told_apart_from_another_disk_full(tmp_path):
     assert ckpt.storage_full(error, str(tmp_path), "saving") is not None
     assert ckpt.storage_full(error, str(tmp_path), "training", wrote=False) is None
     assert ckpt.storage_full(RuntimeError("gloo: connection reset"), str(tmp_path), "x") is None
-
-
-def test_checkpoints_are_staged_under_the_run_and_stale_staging_is_removed(
-    stopped_run, small_data, tmp_path
-):
-    """A save killed halfway (the driver's kill -9) leaves its staging folder under the
-    run, not in /tmp; the next start removes it."""
-    run_dir = _copy(stopped_run, tmp_path, "r")
-    assert os.listdir(os.path.join(run_dir, STAGING)) == []  # cleaned after saves
-    stale = os.path.join(run_dir, STAGING, "ckpt-r0-p99999-killed")
-    os.makedirs(os.path.join(stale, "model"))
-    with open(os.path.join(stale, "model", "mp_rank_00_model_states.pt"), "wb") as f:
-        f.write(b"\0" * 1000)
-    summary = _resume(small_data, tmp_path, "r", "trainer.max_steps=8")
-    assert summary["status"] == "finished"
-    assert os.listdir(os.path.join(run_dir, STAGING)) == []
 
 
 # -- engine level (no Ray) ------------------------------------------------------------

@@ -95,35 +95,6 @@ def test_nan_rows_stop_the_run_at_their_step_and_keep_the_good_checkpoints(
             json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
 
 
-@pytest.mark.slow
-def test_nan_rows_in_the_validation_split_are_left_out_and_named(small_data, tmp_path):
-    """NaN rows in the validation split gave a "finished" run with null validation
-    metrics and no row named."""
-    root = tmp_path / "data"
-    shutil.copytree(small_data, root)
-    (shard,) = glob.glob(str(root / "val/*.parquet"))
-    table = pq.read_table(shard)
-    ids = table["sample_id"].to_numpy()
-    bad = ids[[3, 40]]
-    x = np.stack(table["x"].to_numpy(zero_copy_only=False)).astype(np.float32)
-    x[np.isin(ids, bad)] = np.nan
-    column = pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), x.shape[1])
-    pq.write_table(table.set_column(table.schema.get_field_index("x"), "x", column), shard)
-    summary = train(
-        small_overrides(root, tmp_path, "trainer.max_steps=4", "logger=none", "run.name=v")
-    )
-    assert summary["status"] == "finished"
-    val = summary["val"]
-    assert val["rows_left_out"] == 2 and val["samples"] == len(ids) - 2, val
-    assert all(math.isfinite(v) for v in val.values()), val
-    (event,) = [e for e in summary["events"] if e["event"] == "val_rows_left_out"]
-    name = os.path.basename(shard)
-    assert (
-        "2 with a loss that is not finite (nan/inf in the row): "
-        f"sample_id {bad[0]} ({name}), {bad[1]} ({name})" in event["detail"]
-    ), event
-
-
 def test_a_worker_no_node_can_hold_fails_at_once(small_data, tmp_path):
     overrides = small_overrides(small_data, tmp_path, "scaling.cpus_per_worker=64")
     with pytest.raises(ConfigError, match=r"scaling.cpus_per_worker: a worker needs 64 CPU"):

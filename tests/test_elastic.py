@@ -160,20 +160,18 @@ def test_drained_nodes_checkpoint_at_once_then_shrink(cluster, data, tmp_path):
     """A node drain (Ray's preemption notice) makes the run checkpoint right away; when
     the node then goes, the run resumes from that checkpoint: no step is lost. Twice:
     the second drain lands in the worker group that the first one's restart started
-    (one drain watcher serves every group of the run)."""
+    (one drain watcher serves every group of the run). Then a batch system's warning
+    signal, SIGTERM to the driver: it checkpoints now and exits 75; the same command
+    resumes from that checkpoint (not from an earlier one) and finishes."""
     c = cluster(3)
-    run = Run(
-        tmp_path,
-        "drain",
-        _overrides(
-            data,
-            "scaling.min_workers=1",
-            "scaling.max_workers=3",
-            "scaling.cpus_per_worker=3",
-            "checkpoint.every_steps=1000",
-        ),
-        c.address,
+    overrides = _overrides(
+        data,
+        "scaling.min_workers=1",
+        "scaling.max_workers=3",
+        "scaling.cpus_per_worker=3",
+        "checkpoint.every_steps=1000",
     )
+    run = Run(tmp_path, "drain", overrides, c.address)
     drains: list[dict] = []
     for after in (10, 5):  # steps into the group before its node is drained
         group = len(drains) + 1  # the first drain's group goes on until Ray restarts it
@@ -190,34 +188,24 @@ def test_drained_nodes_checkpoint_at_once_then_shrink(cluster, data, tmp_path):
         drains.append(drain[0])
         run.wait_for("the drain checkpoint", lambda: drains[-1]["step"] in run.registered_steps())
         c.remove_node(victim)  # the machine goes, as the drain announced
-    assert run.finish() == 0, run.output()[-5000:]
-    s = run.summary()
-    assert s["world_sizes"] == [3, 2, 1]
-    resumes = [e["step"] for e in s["events"] if e["event"] == "resume"]
-    assert resumes == [d["step"] for d in drains]
-    assert_every_epoch_once(s, data / "train", EPOCHS, ROWS)
-
-
-def test_sigterm_to_the_driver_checkpoints_and_the_rerun_resumes(data, tmp_path):
-    """A batch system's warning signal: checkpoint now, exit 75; the same command resumes
-    from that checkpoint (not from the last periodic one) and finishes."""
-    overrides = _overrides(data, "checkpoint.every_steps=1000", "model.hidden_dims=[256,256]")
-    run = Run(tmp_path, "preempt", overrides)
-    run.wait_for("step 12", lambda: run.last_step() >= 12)
+    until = drains[-1]["step"] + 5
+    run.wait_for(f"step {until} in worker group 3", lambda: run.last_step_of_group(3) >= until)
     run.signal(signal.SIGTERM)
     assert run.finish() == 75, run.output()[-5000:]
     first = run.summary()
     assert first["status"] == "preempted"
     stopped_at = first["steps"]
-    assert stopped_at >= 12
+    assert stopped_at >= until
     assert os.path.basename(first["checkpoint"]) == f"step={stopped_at:09d}"
     assert [e["reason"] for e in first["events"] if e["event"] == "preempted"] == ["SIGTERM"]
 
-    rerun = Run(tmp_path, "preempt", overrides)
+    rerun = Run(tmp_path, "drain", overrides, c.address)
     assert rerun.finish() == 0, rerun.output()[-5000:]
     s = rerun.summary()
     assert s["status"] == "finished"
-    assert [e["step"] for e in s["events"] if e["event"] == "resume"] == [stopped_at]
+    assert s["world_sizes"] == [3, 2, 1]
+    resumes = [e["step"] for e in s["events"] if e["event"] == "resume"]
+    assert resumes == [*(d["step"] for d in drains), stopped_at]
     assert_every_epoch_once(s, data / "train", EPOCHS, ROWS)
 
 

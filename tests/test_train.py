@@ -43,20 +43,21 @@ def _drop_checkpoints_after(run_dir, step: int) -> None:
             shutil.rmtree(folder)
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [3])
 def test_zero_stage_trains_checkpoints_and_resumes_exactly(stage, small_data, tmp_path):
     """One epoch of 1,000 rows at a global batch of 64 (16 steps, the last one partial,
     split unevenly over the 2 workers), checkpointing every 3 steps; then its checkpoints
     after step 6 are deleted by hand and the same command resumes from step 6: it
-    continues bit for bit and trains every sample of the epoch exactly once. ZeRO-0 with
-    its default reduction, elastic's overlapped all-reduce (``strategy.overlap_reduce``).
+    continues bit for bit and trains every sample of the epoch exactly once.
 
-    Not here, for the suite's time (~35 s a case): ZeRO-2, the default, resumes bit for
-    bit mid-epoch in test_cached_and_streamed_epochs_train_alike_and_resume_in_a_later_
-    epoch_exactly (twice); ZeRO-1, whose checkpoint is ZeRO-2's (one DeepSpeed optimizer
-    class; resumed across world sizes in test_reshard.py, loaded at every stage in
-    test_checkpoint.py); ZeRO-0 with DeepSpeed's reduction, whose checkpoint is the same
-    as with elastic's."""
+    Not here, for the suite's time (~35 s a case): ZeRO-0 with its default reduction,
+    elastic's overlapped all-reduce, resumes bit for bit at 3 workers in
+    test_every_world_size_trains_the_same_batches_and_a_resize_resumes_them; ZeRO-2, the
+    default, resumes bit for bit mid-epoch in test_cached_and_streamed_epochs_train_
+    alike_and_resume_in_a_later_epoch_exactly (twice); ZeRO-1, whose checkpoint is
+    ZeRO-2's (one DeepSpeed optimizer class; resumed across world sizes in
+    test_reshard.py, loaded at every stage in test_checkpoint.py); ZeRO-0 with
+    DeepSpeed's reduction, whose checkpoint is the same as with elastic's."""
     common = [
         f"strategy.zero_stage={stage}",
         "trainer.max_steps=0",
@@ -260,7 +261,8 @@ def test_every_world_size_trains_the_same_batches_and_a_resize_resumes_them(smal
     fp32 summation order, and every sample of both epochs once. Before that resume,
     resumes on changed shards are refused in one line. An epoch at 3 workers at ZeRO-0
     (elastic's overlapped gradient all-reduce, the default there, over uneven splits)
-    has the same losses too."""
+    has the same losses too, and its checkpoint (model and optimizer in one file) resumes
+    it bit for bit from step 6."""
     import shutil
 
     data = tmp_path / "data"
@@ -301,19 +303,30 @@ def test_every_world_size_trains_the_same_batches_and_a_resize_resumes_them(smal
     # fp32 sums in another order; another batch differs by ~10%
     assert worst(by_cut, planned) < 1e-4, worst(by_cut, planned)
 
-    zero0 = [o if o != "trainer.max_epochs=2" else "trainer.max_epochs=1" for o in common]
-    at3 = train(
-        small_overrides(
-            data, tmp_path, *zero0, "scaling.workers=3", "strategy.zero_stage=0", "run.name=z0"
-        )
-    )
+    zero0 = [
+        *(o for o in common if o not in ("trainer.max_epochs=2", "checkpoint.every_steps=0")),
+        *("trainer.max_epochs=1", "checkpoint.every_steps=3", "checkpoint.keep=10"),
+        *("scaling.workers=3", "strategy.zero_stage=0", "run.name=z0"),
+    ]
+    at3 = train(small_overrides(data, tmp_path, *zero0))
     assert at3["status"] == "finished" and at3["steps"] == 16 and at3["world_sizes"] == [3]
+    z0_losses = _losses(tmp_path / "z0")
+    ckpt_dir = tmp_path / "z0" / "step=000000006"
+    assert glob.glob(str(ckpt_dir / "model" / "*model_states.pt"))  # optimizer state too
+    assert not glob.glob(str(ckpt_dir / "model" / "*optim_states.pt"))
+    _drop_checkpoints_after(tmp_path / "z0", 6)
+    z0_resumed = train(small_overrides(data, tmp_path, *zero0))
+    assert z0_resumed["status"] == "finished" and z0_resumed["steps"] == 16
+    assert [e["step"] for e in read_events(str(tmp_path / "z0")) if e["event"] == "resume"] == [6]
+    assert_every_epoch_once(z0_resumed, data / "train", epochs=1, rows=1000)
+    got = _losses(tmp_path / "z0")  # the last record of each step: the resumed session's
+    assert all(got[step] == z0_losses[step] for step in range(7, 17)), (got, z0_losses)
 
     def reductions(name: str) -> list[str]:
         events = read_events(str(tmp_path / name))
         return [e["gradient_reduce"] for e in events if e["event"] == "startup"]
 
-    assert reductions("z0") == ["overlapped"]  # elastic's: the default at fp32 ZeRO-0
+    assert reductions("z0") == ["overlapped"] * 2  # elastic's: the default at fp32 ZeRO-0
     assert reductions("one") == ["deepspeed"]  # one worker: nothing to all-reduce
     by_z0 = _records(tmp_path / "z0")
     assert sorted(by_z0) == list(range(1, 17))
