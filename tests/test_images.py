@@ -190,7 +190,7 @@ def _break_image(shard, row: int) -> tuple[int, str]:
     return t["sample_id"][row].as_py(), t["path"][row].as_py()
 
 
-def _run_images(tmp_path) -> subprocess.CompletedProcess:
+def _run_images(tmp_path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             sys.executable,
@@ -204,6 +204,7 @@ def _run_images(tmp_path) -> subprocess.CompletedProcess:
             "logger=none",
             f"run.storage_path={tmp_path}/runs",
             f"hydra.run.dir={tmp_path}/hydra",
+            *extra,
         ],  # fmt: skip
         capture_output=True,
         text=True,
@@ -213,12 +214,19 @@ def _run_images(tmp_path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_an_image_that_does_not_decode_at_train_time_ends_the_run_in_one_line(tmp_path):
+def test_an_image_that_does_not_decode_at_train_time_ends_the_run_in_one_line(
+    tmp_path, ray_session
+):
     """Shards written by something else than the converter (which decodes every image)
     can hold a broken image. Among the first rows (decoded before Ray starts) the run
     never starts; further on, the run stops at the first step that meets it. Both times
-    one line naming the sample, its source file and the data, exit 2, no restarts."""
+    one line naming the sample, its source file and the data, exit 2, no restarts. (The
+    second on the session's Ray: an embedded cluster's start tests nothing here.)"""
     import shutil
+
+    import ray
+
+    session = f"cluster.address={ray.get_runtime_context().gcs_address}"
 
     write_tree(tmp_path / "src")
     convert(tmp_path / "src", tmp_path / "out", val_fraction=0.0, shards=2)
@@ -227,7 +235,7 @@ def test_an_image_that_does_not_decode_at_train_time_ends_the_run_in_one_line(tm
     shutil.copy(first, intact)
     for shard, row, before_ray in ((first, 1, True), (second, 3, False)):
         sid, source = _break_image(shard, row)
-        out = _run_images(tmp_path)
+        out = _run_images(tmp_path, *(() if before_ray else (session,)))
         assert out.returncode == 2, out.stderr[-3000:]
         errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1, out.stderr[-3000:]

@@ -84,11 +84,15 @@ def test_progress_bar_on_a_terminal_shows_step_eta_world_and_loss():
 
 
 @pytest.mark.slow
-def test_a_scaling_sweep_and_its_report(small_data, tmp_path):
+def test_a_scaling_sweep_and_its_report(small_data, tmp_path, ray_session):
     """``-m scaling.workers=1,2`` with a target metric: each run records its time to
     target (checked against its own history), the driver prints plain progress lines
     with the ETA (no terminal), and report.py turns the sweep into tables whose numbers
-    are the runs' and valid PNG figures."""
+    are the runs' and valid PNG figures. On the session's Ray (``cluster.address``): a
+    sweep's jobs each start an embedded cluster otherwise, which other tests cover."""
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
     sweep = tmp_path / "sweep"
     cmd = [
         sys.executable, str(REPO / "launch/run.py"), "-m", "+experiment=smoke",
@@ -99,6 +103,7 @@ def test_a_scaling_sweep_and_its_report(small_data, tmp_path):
         "metrics.target=val/r2>=0.1", "optim.lr=0.005", "logger=none",
         "trainer.progress=plain", "trainer.progress_every_s=0.01",
         f"run.storage_path={tmp_path}/runs", f"hydra.sweep.dir={sweep}", FAST_POLL,
+        f"cluster.address={address}",
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
