@@ -139,6 +139,30 @@ print("torch" in sys.modules)
 """
 
 
+CONFIG_ERROR = """
+import runpy, sys
+sys.argv = ["run.py", "+experiment=smoke", "+model.chanels=3"]
+try:
+    runpy.run_path(sys.argv_path, run_name="__main__")
+except SystemExit as e:
+    print(e.code, "torch" in sys.modules)
+"""
+
+
+def test_a_config_error_on_the_command_line_imports_no_torch():
+    """A typo in a key or value ends the command in one line before Ray starts; it did
+    so after importing torch (seconds: the model families' configs imported their
+    networks). The configs read no torch now (networks: elastic/models/nets/)."""
+    import subprocess
+    import sys
+
+    run_py = PACKAGE.parent / "launch" / "run.py"
+    code = CONFIG_ERROR.replace("sys.argv_path", repr(str(run_py)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "unknown config key model.chanels" in out.stderr, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "2 False", out.stdout[-2000:]
+
+
 def test_a_read_task_imports_no_torch(small_data):
     """What a Ray Data read task imports (the pipeline, the format registry with every
     built-in format, a real shard's decoder and its decoding) leaves torch out: it costs

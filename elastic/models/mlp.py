@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from elastic.models.base import ModelConfig
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass
@@ -29,6 +31,8 @@ class MLPConfig(ModelConfig):
             raise ConfigError(f"model.hidden_dims={self.hidden_dims} is not valid: all >= 1")
 
     def build(self) -> nn.Module:
+        from torch import nn
+
         dims = [self.input_dim, *self.hidden_dims]
         layers: list[nn.Module] = []
         for d_in, d_out in zip(dims[:-1], dims[1:], strict=True):

@@ -3,35 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from elastic.models.base import ImageModelConfig
-from elastic.models.image import LogIntensity
 
-
-class _Block(nn.Module):
-    """A ResNet basic block (two 3x3 convs); GroupNorm, not BatchNorm: no running
-    statistics that depend on the per-worker batch (the world size changes)."""
-
-    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
-        super().__init__()
-        self.body = nn.Sequential(
-            nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False),
-            nn.GroupNorm(min(8, c_out), c_out),
-            nn.ReLU(inplace=True),
-            nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False),
-            nn.GroupNorm(min(8, c_out), c_out),
-        )
-        self.skip: nn.Module = nn.Identity()
-        if stride != 1 or c_in != c_out:
-            self.skip = nn.Sequential(
-                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.GroupNorm(min(8, c_out), c_out)
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.body(x) + self.skip(x))
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass
@@ -65,20 +42,13 @@ class ResNetConfig(ImageModelConfig):
             raise ConfigError(f"model.widths={self.widths} is not valid: one or more, all >= 1")
 
     def build(self) -> nn.Module:
-        layers: list[nn.Module] = []
-        if self.input_size:
-            layers.append(nn.Unflatten(1, (self.in_channels, self.input_size, self.input_size)))
-        if self.log_input:
-            layers.append(LogIntensity())
-        layers += [
-            nn.Conv2d(self.in_channels, self.widths[0], 3, 1, 1, bias=False),
-            nn.GroupNorm(min(8, self.widths[0]), self.widths[0]),
-            nn.ReLU(inplace=True),
-        ]
-        c = self.widths[0]
-        for i, w in enumerate(self.widths):
-            for b in range(self.blocks_per_stage):
-                layers.append(_Block(c, w, 2 if (i > 0 and b == 0) else 1))
-                c = w
-        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, self.output_dim)]
-        return nn.Sequential(*layers)
+        from elastic.models.nets.resnet import resnet
+
+        return resnet(
+            in_channels=self.in_channels,
+            widths=list(self.widths),
+            blocks_per_stage=self.blocks_per_stage,
+            output_dim=self.output_dim,
+            input_size=self.input_size,
+            log_input=self.log_input,
+        )

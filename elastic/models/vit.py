@@ -3,43 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from elastic.models.base import ImageModelConfig
-from elastic.models.image import LogIntensity
 
-
-class _ViT(nn.Module):
-    def __init__(self, c: ViTConfig) -> None:
-        super().__init__()
-        side = c.side
-        self.prepare = nn.Sequential(
-            nn.Unflatten(1, (c.in_channels, side, side)) if c.input_size else nn.Identity(),
-            LogIntensity() if c.log_input else nn.Identity(),
-        )
-        self.patches = nn.Conv2d(c.in_channels, c.dim, c.patch_size, c.patch_size)
-        tokens = (side // c.patch_size) ** 2
-        self.cls = nn.Parameter(torch.zeros(1, 1, c.dim))
-        self.position = nn.Parameter(torch.randn(1, tokens + 1, c.dim) * 0.02)
-        layer = nn.TransformerEncoderLayer(
-            c.dim,
-            c.heads,
-            int(c.dim * c.mlp_ratio),
-            dropout=0.0,
-            activation="gelu",
-            batch_first=True,
-            norm_first=True,
-        )
-        self.encoder = nn.TransformerEncoder(layer, c.depth, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(c.dim)
-        self.head = nn.Linear(c.dim, c.output_dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.patches(self.prepare(x)).flatten(2).transpose(1, 2)  # [N, tokens, dim]
-        x = torch.cat([self.cls.expand(len(x), -1, -1), x], dim=1) + self.position
-        return self.head(self.norm(self.encoder(x)[:, 0]))
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass
@@ -93,4 +62,17 @@ class ViTConfig(ImageModelConfig):
             raise ConfigError(f"model.mlp_ratio={self.mlp_ratio} is not valid: must be > 0")
 
     def build(self) -> nn.Module:
-        return _ViT(self)
+        from elastic.models.nets.vit import ViT
+
+        return ViT(
+            in_channels=self.in_channels,
+            side=self.side,
+            flat=bool(self.input_size),
+            log_input=self.log_input,
+            dim=self.dim,
+            patch_size=self.patch_size,
+            heads=self.heads,
+            mlp_ratio=self.mlp_ratio,
+            depth=self.depth,
+            output_dim=self.output_dim,
+        )

@@ -1,5 +1,5 @@
-"""What the image model families (ResNet, ViT) share: input scaling (their config base is
-:class:`~elastic.models.base.ImageModelConfig`)."""
+"""What the image model families' networks (ResNet, ViT) share: input scaling (their
+config base is :class:`~elastic.models.base.ImageModelConfig`)."""
 
 from __future__ import annotations
 
