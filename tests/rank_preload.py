@@ -9,12 +9,12 @@ os.environ["DS_ACCELERATOR"] = "cpu"
 import deepspeed  # noqa: E402,F401
 import torch  # noqa: E402,F401
 
-# what building an engine imports on the spot: torch's compiler stack (a torch
-# optimizer's constructor imports it) and DeepSpeed's Muon module (its ZeRO optimizer
-# check does), as a worker imports it: without compiling its kernels
-import torch._dynamo  # noqa: E402,F401
-
 import elastic.train.checkpoint  # noqa: E402,F401
+from elastic.train import lazy_dynamo  # noqa: E402
 from elastic.train.engine import import_muon_uncompiled  # noqa: E402
 
+# as a worker starts: torch's compiler front end stood in for (its import is seconds;
+# nothing here compiles), and DeepSpeed's Muon module, which its ZeRO optimizer check
+# imports on the spot, imported without compiling its kernels
+lazy_dynamo.defer()
 import_muon_uncompiled()

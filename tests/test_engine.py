@@ -47,6 +47,61 @@ def test_the_cpu_shared_memory_op_is_never_built_nor_muons_kernels_compiled():
     assert out.returncode == 0 and "skipped" in out.stdout, out.stderr[-2000:]
 
 
+_NO_COMPILER = """
+import os, sys, tempfile, torch
+import torch.distributed as dist
+from elastic.train import lazy_dynamo
+lazy_dynamo.defer()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+dist.init_process_group("gloo", rank=0, world_size=1)
+from elastic.train.batch import BatchPlan
+from elastic.train.engine import build_engine, init_distributed
+from test_engine import _cfg
+init_distributed(False)
+x, y = torch.randn(8, 8), torch.randn(8, 3)
+for stage in (0, 1, 2, 3):
+    cfg = _cfg(stage, 0.5)
+    engine = build_engine(cfg, BatchPlan.for_world(8, 1), cfg.model.build())
+    for _ in range(2):
+        engine.backward(((engine(x) - y) ** 2).mean())
+        engine.step()
+    d = tempfile.mkdtemp()
+    engine.save_checkpoint(d, tag="t")
+    engine.load_checkpoint(d, tag="t")
+    engine.backward(((engine(x) - y) ** 2).mean())
+    engine.step()
+    assert not lazy_dynamo.loaded(), f"ZeRO {stage} loaded torch._dynamo"
+seen = []
+def h(t):
+    seen.append(torch.compiler.is_compiling())
+    return t + 1
+g = torch.compiler.disable(h)  # disabled before the real module is loaded
+f = torch.compile(lambda t: g(t) * 2, backend="eager")
+t = torch.arange(3.0)
+assert torch.equal(f(t), (t + 1) * 2) and torch.equal(f(t), (t + 1) * 2)
+assert lazy_dynamo.loaded() and type(sys.modules["torch._dynamo"]) is type(torch)
+assert torch._dynamo is sys.modules["torch._dynamo"]
+assert seen == [False, False], seen  # run eagerly, not traced into the graph
+print("eager, then compiled")
+"""
+
+
+def test_a_worker_never_imports_torchs_compiler_and_torch_compile_still_works():
+    """``elastic.train.lazy_dynamo``: DeepSpeed at every ZeRO stage, with clipping, a
+    checkpoint saved and restored, never loads the real ``torch._dynamo`` (~2 CPU s a
+    worker start); ``torch.compile`` afterwards loads it, compiles, and still runs a
+    function disabled before it was loaded eagerly."""
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_COMPILER, str(free_port())],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(__file__),
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )
+    assert out.returncode == 0 and "eager, then compiled" in out.stdout, out.stderr[-3000:]
+
+
 STAGES = (0, 1, 2, 3)
 CLIPS = (0.0, 0.5)
 LR = 0.01

@@ -13,7 +13,7 @@ from ranks import start_ranks
 import elastic
 
 PRELOADED = (
-    "torch._dynamo",
+    "torch._dynamo",  # the stand-in (elastic.train.lazy_dynamo), as in a worker
     "deepspeed",
     "deepspeed.runtime.zero.muon.muon_optimizer",
     "elastic.train.checkpoint",
@@ -27,7 +27,7 @@ def _imported(rank: int, out: str) -> None:
         json.dump({"loaded": loaded, "elastic": sys.modules["elastic"].__file__}, f)
 
 
-def test_a_rank_starts_with_torch_deepspeed_and_the_compiler_stack_imported(tmp_path):
+def test_a_rank_starts_with_torch_and_deepspeed_imported_as_a_worker_does(tmp_path):
     out = tmp_path / "imported.json"
     start_ranks(_imported, (str(out),), 1)
     got = json.loads(out.read_text())

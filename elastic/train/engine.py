@@ -151,17 +151,15 @@ def _skip_shm_comm_op() -> None:
 
 def warm_imports() -> threading.Thread:
     """Import, in the background, what building the engine would import on the spot:
-    DeepSpeed, torch's compiler stack (the optimizer constructor pulls it in) and
-    DeepSpeed's Muon module (its optimizer check does; :func:`import_muon_uncompiled`),
-    seconds of CPU on a fresh worker, while the worker reads its checkpoint and starts
-    its data pipeline. Join the thread before importing any of these yourself: two
-    threads importing DeepSpeed's circular imports at once fail ("partially initialized
-    module") or deadlock (both seen here)."""
+    DeepSpeed and its Muon module (its optimizer check does;
+    :func:`import_muon_uncompiled`), a second of CPU on a fresh worker, while the
+    worker reads its checkpoint and starts its data pipeline. Join the thread before
+    importing any of these yourself: two threads importing DeepSpeed's circular imports
+    at once fail ("partially initialized module") or deadlock (both seen here)."""
 
     def run() -> None:
         try:
             import deepspeed  # noqa: F401
-            import torch._dynamo  # noqa: F401
 
             import_muon_uncompiled()
         except Exception:  # only a head start: the real import reports any problem

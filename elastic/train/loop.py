@@ -28,7 +28,7 @@ from elastic.data.shards import damaged_shard
 from elastic.errors import find_run_error, run_error, user_code
 from elastic.observe.tracking import NullTracker, make_tracker
 from elastic.train import checkpoint as ckpt
-from elastic.train import integrity
+from elastic.train import integrity, lazy_dynamo
 from elastic.train.batch import BatchPlan
 from elastic.train.engine import (
     build_engine,
@@ -85,6 +85,7 @@ def train_loop(config: dict[str, Any]) -> None:
     plan = BatchPlan.for_world(cfg.data.global_batch_size, world, cfg.data.micro_batch_size)
 
     started = time.perf_counter()
+    lazy_dynamo.defer()  # before DeepSpeed and the optimizer: ~2 CPU s a worker start
     warming = warm_imports()
     with contextlib.ExitStack() as stack:
         stack.push(_end_run_on_run_error(args.control))
