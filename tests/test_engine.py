@@ -48,58 +48,75 @@ def test_the_cpu_shared_memory_op_is_never_built_nor_muons_kernels_compiled():
 
 
 _NO_COMPILER = """
-import os, sys, tempfile, torch
+import dataclasses, os, sys, tempfile, torch
 import torch.distributed as dist
 from elastic.train import lazy_dynamo
 lazy_dynamo.defer()
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 dist.init_process_group("gloo", rank=0, world_size=1)
+from elastic.config.schema import OptimConfig
 from elastic.train.batch import BatchPlan
 from elastic.train.engine import build_engine, init_distributed
 from test_engine import _cfg
 init_distributed(False)
 x, y = torch.randn(8, 8), torch.randn(8, 3)
-for stage in (0, 1, 2, 3):
+for stage, bf16 in ((0, False), (1, False), (2, False), (3, False), (3, True)):
     cfg = _cfg(stage, 0.5)
+    if bf16:  # and AdamW, as the ViT experiment trains
+        strategy = dataclasses.replace(cfg.strategy, precision="bf16")
+        cfg = dataclasses.replace(cfg, strategy=strategy, optim=OptimConfig(name="adamw"))
     engine = build_engine(cfg, BatchPlan.for_world(8, 1), cfg.model.build())
+    dtype = next(engine.module.parameters()).dtype
     for _ in range(2):
-        engine.backward(((engine(x) - y) ** 2).mean())
+        engine.backward(((engine(x.to(dtype)).float() - y) ** 2).mean())
         engine.step()
     d = tempfile.mkdtemp()
     engine.save_checkpoint(d, tag="t")
     engine.load_checkpoint(d, tag="t")
-    engine.backward(((engine(x) - y) ** 2).mean())
-    engine.step()
-    assert not lazy_dynamo.loaded(), f"ZeRO {stage} loaded torch._dynamo"
+    assert not lazy_dynamo.loaded(), f"ZeRO {stage} (bf16 {bf16}) loaded torch._dynamo"
 seen = []
 def h(t):
     seen.append(torch.compiler.is_compiling())
     return t + 1
 g = torch.compiler.disable(h)  # disabled before the real module is loaded
+# a submodule's import as the first touch: the real package, each module once
+import torch._dynamo.config as config
+from torch._dynamo import eval_frame
+assert lazy_dynamo.loaded() and eval_frame.config is config
+assert torch._dynamo is sys.modules["torch._dynamo"] and type(torch._dynamo) is type(torch)
 f = torch.compile(lambda t: g(t) * 2, backend="eager")
 t = torch.arange(3.0)
 assert torch.equal(f(t), (t + 1) * 2) and torch.equal(f(t), (t + 1) * 2)
-assert lazy_dynamo.loaded() and type(sys.modules["torch._dynamo"]) is type(torch)
-assert torch._dynamo is sys.modules["torch._dynamo"]
 assert seen == [False, False], seen  # run eagerly, not traced into the graph
 print("eager, then compiled")
 """
 
+_DISABLED_MODULE = """
+import torch
+from elastic.train import lazy_dynamo
+lazy_dynamo.defer()
+m = torch.compiler.disable(torch.nn.Linear(2, 2))  # what dynamo makes of a module
+assert isinstance(m, torch.nn.Module) and len(list(m.parameters())) == 2, type(m)
+print("a module")
+"""
+
 
 def test_a_worker_never_imports_torchs_compiler_and_torch_compile_still_works():
-    """``elastic.train.lazy_dynamo``: DeepSpeed at every ZeRO stage, with clipping, a
-    checkpoint saved and restored, never loads the real ``torch._dynamo`` (~2 CPU s a
-    worker start); ``torch.compile`` afterwards loads it, compiles, and still runs a
-    function disabled before it was loaded eagerly."""
-    out = subprocess.run(
-        [sys.executable, "-c", _NO_COMPILER, str(free_port())],
-        capture_output=True,
-        text=True,
-        cwd=os.path.dirname(__file__),
-        env={**os.environ, "DS_ACCELERATOR": "cpu"},
-    )
-    assert out.returncode == 0 and "eager, then compiled" in out.stdout, out.stderr[-3000:]
+    """``elastic.train.lazy_dynamo``: DeepSpeed at every ZeRO stage (and bf16 with
+    AdamW), with clipping, a checkpoint saved and restored, never loads the real
+    ``torch._dynamo`` (~2 CPU s a worker start); a submodule's import then loads it
+    with each module once, ``torch.compile`` compiles and still runs a function
+    disabled before the load eagerly; ``disable`` of a module is dynamo's."""
+    for code, said in ((_NO_COMPILER, "eager, then compiled"), (_DISABLED_MODULE, "a module")):
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(free_port())],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(__file__),
+            env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        )
+        assert out.returncode == 0 and said in out.stdout, out.stderr[-3000:]
 
 
 STAGES = (0, 1, 2, 3)

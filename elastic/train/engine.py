@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from elastic.config.schema import TrainConfig
+from elastic.train import lazy_dynamo
 from elastic.train.batch import BatchPlan
 
 DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's reduce bucket by default (elements)
@@ -193,6 +194,7 @@ def import_muon_uncompiled() -> None:
 
 
 def init_distributed(use_gpu: bool, warming: threading.Thread | None = None) -> None:
+    lazy_dynamo.defer()  # before any optimizer: see elastic.train.lazy_dynamo
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if use_gpu else "cpu")
     if warming is not None:
         warming.join()  # never import DeepSpeed in two threads at once

@@ -2,117 +2,189 @@
 
 Eager code in torch 2.13 and DeepSpeed 0.19.8 imports ``torch._dynamo`` without
 compiling anything: every optimizer step (``torch/optim/optimizer.py``, ``_use_grad``:
-``import torch._dynamo`` and two ``graph_break()`` calls), the optimizer's
-``add_param_group`` and ``state_dict`` (``torch._disable_dynamo``), ZeRO 3's module
-hooks (``torch.compiler.disable``). That import is ~2 CPU s in every worker process at
-every worker-group start, for a compiler elastic never runs.
+``import torch._dynamo`` and two ``graph_break()`` calls), the optimizer methods torch
+wraps in ``torch._disable_dynamo`` (``add_param_group``, ``zero_grad``, ``state_dict``,
+``load_state_dict``), ZeRO 3's module hooks (``torch.compiler.disable``),
+``torch.distributed.init_process_group`` (``trace_rules.clear_lru_cache()``). That
+import is ~2 CPU s in every worker process at every worker-group start, for a compiler
+elastic never runs.
 
-:func:`defer` puts a stand-in under the name ``torch._dynamo``. It answers the two
-calls eager code makes the way the real module does outside a compiled region:
-``graph_break()`` does nothing, and ``disable(fn)`` returns ``fn`` wrapped so that it
-calls the real ``disable(fn)`` once the real module is loaded. Any other attribute (what
-``torch.compile``, a submodule import or a user's plugin reaches for) loads the real
-module first and answers from it; from then on ``torch._dynamo`` is the real module.
-So the stand-in never changes a result, only when the import is paid.
-``tests/test_engine.py`` checks both halves: a real DeepSpeed run (ZeRO 0-3, checkpoint
-and restore) never loads the real module, and ``torch.compile`` after :func:`defer`
-compiles and honours a function disabled before it.
+:func:`defer` puts a stand-in under the name ``torch._dynamo`` that answers those uses
+as the real module does outside a compiled region: ``graph_break()`` does nothing,
+``disable(f)`` of a plain function returns ``f`` wrapped so that it calls the real
+``disable(f)`` once the real module is loaded, and ``trace_rules.clear_lru_cache()``
+has no cache to clear. Anything else (any other attribute or assignment, ``disable``
+of a module or class, a submodule's import: what ``torch.compile``, a plugin or a
+library reaches for) imports the real module first and is answered by it; from then
+on ``torch._dynamo`` is the real module, and a submodule the real import brought in is
+not run a second time. One side effect of the real import is missing until then: the
+``torch.load(weights_only=True)`` allowance for nested jagged tensors' ``_DimRange``.
+
+Private torch API, checked against torch 2.13.0: ``tests/test_engine.py`` runs DeepSpeed
+at every ZeRO stage, bf16, Adam, clipping and a checkpoint round trip without loading the
+real module, then ``torch.compile``, a submodule import and ``disable`` of a module
+through the stand-in, each answered as by the real module.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
+import inspect
 import sys
-import threading
 import types
 from typing import Any
 
 NAME = "torch._dynamo"
-_lock = threading.RLock()
-_FROM_REAL = ("__path__", "__file__")  # a submodule's import loads the real one first
+
+
+def _real() -> types.ModuleType | None:
+    """The real module, if loaded (the stand-in holds it once it is)."""
+    module = sys.modules.get(NAME)
+    if isinstance(module, _Deferred):
+        return module.__dict__["_real"]
+    return module
+
+
+def _load() -> types.ModuleType:
+    """Import the real module (once) and point the stand-in at it."""
+    module = sys.modules.get(NAME)
+    if not isinstance(module, _Deferred):
+        return importlib.import_module(NAME)
+    stand_in = module
+    real = stand_in.__dict__["_real"]
+    if real is None:
+        del sys.modules[NAME]
+        try:
+            real = importlib.import_module(NAME)
+        except BaseException:
+            sys.modules.setdefault(NAME, stand_in)
+            raise
+        stand_in.__dict__["_real"] = real
+    return real
 
 
 class _Deferred(types.ModuleType):
-    """The stand-in: ``graph_break`` and ``disable`` without the import, the rest from
-    the real module (loaded on first use)."""
+    """The stand-in: ``graph_break``, ``disable`` of a function and ``trace_rules``
+    without the import; everything else from the real module, loaded on first use."""
 
-    def __init__(self) -> None:
-        super().__init__(NAME, "torch._dynamo, loaded when more than eager code needs it")
+    def __init__(self, spec: importlib.machinery.ModuleSpec) -> None:
+        super().__init__(NAME, "torch._dynamo, imported when more than eager code needs it")
         self.__dict__["_real"] = None
-        # what importlib reads without loading: a module that is not initializing
-        self.__spec__ = importlib.util.find_spec(NAME)
-
-    def _load(self) -> types.ModuleType:
-        with _lock:
-            real = self.__dict__["_real"]
-            if real is None:
-                if sys.modules.get(NAME) is self:
-                    del sys.modules[NAME]
-                real = importlib.import_module(NAME)
-                self.__dict__["_real"] = real
-            return real
+        # what an import statement reads without loading: a module not initializing
+        self.__dict__["__spec__"] = spec
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") and name not in _FROM_REAL:
-            raise AttributeError(name)  # copy/pickle probes: not a reason to load
-        return getattr(self._load(), name)
+        if name.startswith("__") and name not in ("__path__", "__file__", "__all__"):
+            raise AttributeError(name)  # copy/pickle/inspect probes: no reason to load
+        real = _load()
+        if name == "__path__":  # a submodule's import asks: see _AlreadyLoaded
+            _AlreadyLoaded.pending = True
+        return getattr(real, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(_load(), name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(_load(), name)
 
     @property
     def trace_rules(self) -> Any:
-        """``torch.distributed.init_process_group`` clears this module's caches when
-        ``torch._dynamo`` is imported: nothing to clear before the real one is."""
-        real = self.__dict__["_real"]
-        return real.trace_rules if real is not None else _NO_TRACE_RULES
+        real = _real()
+        return real.trace_rules if real is not None else _NoTraceRules()
 
     def graph_break(self, msg: str = "") -> None:
-        real = self.__dict__["_real"]
+        real = _real()
         if real is not None:
             real.graph_break(msg)
 
-    def disable(
-        self, fn: Any = None, recursive: bool = True, *, reason: Any = None, wrapping: bool = True
-    ) -> Any:
-        real = self.__dict__["_real"]
-        if real is not None:
-            return real.disable(fn, recursive, reason=reason, wrapping=wrapping)
-        if fn is None:
-            return functools.partial(self.disable, recursive=recursive, reason=reason)
-        disabled: list[Any] = []
-
-        @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if disabled:
-                return disabled[0](*args, **kwargs)
-            real = self.__dict__["_real"]
-            if real is None:  # nothing compiles without the real module: plain eager
-                return fn(*args, **kwargs)
-            disabled.append(real.disable(fn, recursive, reason=reason))
-            return disabled[0](*args, **kwargs)
-
-        return call
+    def disable(self, fn: Any = None, recursive: bool = True, **kwargs: Any) -> Any:
+        real = _real()
+        if real is not None or not (inspect.isfunction(fn) or inspect.ismethod(fn)):
+            # loaded, or a module, a class, a decorator factory: as dynamo does it
+            return (real or _load()).disable(fn, recursive, **kwargs)
+        return _disabled_later(fn, recursive, kwargs)
 
 
-_NO_TRACE_RULES = types.SimpleNamespace(clear_lru_cache=lambda: None)
+def _disabled_later(fn: Any, recursive: bool, kwargs: dict[str, Any]) -> Any:
+    """``fn``, called as it is while nothing can compile (no real module), through the
+    real ``disable(fn)`` from the moment the real module is loaded."""
+    kwargs.pop("wrapping", None)  # ours always wraps
+    disabled: list[Any] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kw: Any) -> Any:
+        if not disabled:
+            real = _real()
+            if real is None:
+                return fn(*args, **kw)
+            disabled.append(real.disable(fn, recursive, **kwargs))
+        return disabled[0](*args, **kw)
+
+    return call
+
+
+class _NoTraceRules:
+    """``trace_rules`` before the real module: no caches to clear; anything else is
+    the real one's."""
+
+    def clear_lru_cache(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_load().trace_rules, name)
+
+
+class _AlreadyLoaded(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """An import of ``torch._dynamo.<x>`` that reached the stand-in first: Python's
+    import system checks ``sys.modules`` for ``<x>``, then reads the package's
+    ``__path__``, which loads the real package, whose own import may bring ``<x>`` in;
+    the import system would then run ``<x>`` a second time, a second copy beside the
+    one dynamo uses. Right after such a read, this hands that import the module already
+    loaded (once: a later ``importlib.reload`` is left alone)."""
+
+    pending = False
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if not (_AlreadyLoaded.pending and name.startswith(NAME + ".")):
+            return None
+        _AlreadyLoaded.pending = False
+        if name not in sys.modules:
+            return None  # not brought in by the package: imported as usual
+        spec = importlib.util.spec_from_loader(name, self)
+        assert spec is not None
+        spec.loader_state = sys.modules[name].__spec__
+        return spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return sys.modules[spec.name]
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        spec = module.__spec__
+        if spec is not None and spec.loader is self:  # the import system replaced it
+            module.__spec__ = spec.loader_state
 
 
 def defer() -> None:
-    """Install the stand-in, if ``torch._dynamo`` is not imported yet. Call it before
-    DeepSpeed or an optimizer is built; idempotent."""
-    with _lock:
-        if NAME in sys.modules:
-            return
-        import torch
+    """Install the stand-in, if ``torch._dynamo`` is not imported yet (else nothing
+    changes); idempotent. :func:`elastic.train.engine.init_distributed` calls it, the
+    worker's entry first thing: it helps only before anything imports the real one."""
+    if NAME in sys.modules:
+        return
+    import torch
 
-        stand_in = _Deferred()
-        sys.modules[NAME] = stand_in
-        torch._dynamo = stand_in
+    spec = importlib.util.find_spec(NAME)  # finds the package, runs nothing
+    assert spec is not None, NAME
+    if not any(isinstance(f, _AlreadyLoaded) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AlreadyLoaded())
+    stand_in = _Deferred(spec)
+    sys.modules[NAME] = stand_in
+    torch.__dict__["_dynamo"] = stand_in
 
 
 def loaded() -> bool:
     """Whether the real ``torch._dynamo`` has been imported in this process."""
-    module = sys.modules.get(NAME)
-    return module is not None and not (
-        isinstance(module, _Deferred) and module.__dict__["_real"] is None
-    )
+    return _real() is not None

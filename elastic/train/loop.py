@@ -85,7 +85,7 @@ def train_loop(config: dict[str, Any]) -> None:
     plan = BatchPlan.for_world(cfg.data.global_batch_size, world, cfg.data.micro_batch_size)
 
     started = time.perf_counter()
-    lazy_dynamo.defer()  # before DeepSpeed and the optimizer: ~2 CPU s a worker start
+    lazy_dynamo.defer()  # first: nothing before the engine may import torch's compiler
     warming = warm_imports()
     with contextlib.ExitStack() as stack:
         stack.push(_end_run_on_run_error(args.control))
