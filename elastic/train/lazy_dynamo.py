@@ -17,8 +17,11 @@ has no cache to clear. Anything else (any other attribute or assignment, ``disab
 of a module or class, a submodule's import: what ``torch.compile``, a plugin or a
 library reaches for) imports the real module first and is answered by it; from then
 on ``torch._dynamo`` is the real module, and a submodule the real import brought in is
-not run a second time. One side effect of the real import is missing until then: the
-``torch.load(weights_only=True)`` allowance for nested jagged tensors' ``_DimRange``.
+not run a second time. What differs until then: the real import's side effect of
+allowing nested jagged tensors' ``_DimRange`` in ``torch.load(weights_only=True)``; and
+under ``torch.compile`` a function disabled before the load is reached through a small
+wrapper that dynamo traces up to the real ``disable`` (a graph break, as for any
+disabled function).
 
 Private torch API, checked against torch 2.13.0: ``tests/test_engine.py`` runs DeepSpeed
 at every ZeRO stage, bf16, Adam, clipping and a checkpoint round trip without loading the
@@ -35,35 +38,42 @@ import importlib.machinery
 import importlib.util
 import inspect
 import sys
+import threading
 import types
 from typing import Any
 
 NAME = "torch._dynamo"
 
 
+_stand_in: _Deferred | None = None  # the one defer() installed, if any
+_lock = threading.Lock()
+
+
 def _real() -> types.ModuleType | None:
-    """The real module, if loaded (the stand-in holds it once it is)."""
-    module = sys.modules.get(NAME)
-    if isinstance(module, _Deferred):
-        return module.__dict__["_real"]
-    return module
+    """The real module, once its import has finished."""
+    if _stand_in is not None:
+        return _stand_in.__dict__["_real"]
+    return sys.modules.get(NAME)
 
 
 def _load() -> types.ModuleType:
     """Import the real module (once) and point the stand-in at it."""
-    module = sys.modules.get(NAME)
-    if not isinstance(module, _Deferred):
+    stand_in = _stand_in
+    if stand_in is None:
         return importlib.import_module(NAME)
-    stand_in = module
     real = stand_in.__dict__["_real"]
-    if real is None:
-        del sys.modules[NAME]
-        try:
-            real = importlib.import_module(NAME)
-        except BaseException:
+    if real is not None:
+        return real
+    with _lock:  # the pop only: the import waits on Python's own import lock
+        if sys.modules.get(NAME) is stand_in:
+            del sys.modules[NAME]
+    try:
+        real = importlib.import_module(NAME)
+    except BaseException:
+        with _lock:
             sys.modules.setdefault(NAME, stand_in)
-            raise
-        stand_in.__dict__["_real"] = real
+        raise
+    stand_in.__dict__["_real"] = real
     return real
 
 
@@ -74,16 +84,16 @@ class _Deferred(types.ModuleType):
     def __init__(self, spec: importlib.machinery.ModuleSpec) -> None:
         super().__init__(NAME, "torch._dynamo, imported when more than eager code needs it")
         self.__dict__["_real"] = None
-        # what an import statement reads without loading: a module not initializing
-        self.__dict__["__spec__"] = spec
+        # what an import statement (a module not initializing) and inspect read,
+        # without loading; not __path__: a submodule's import loads the package first
+        self.__dict__.update(
+            __spec__=spec, __loader__=spec.loader, __file__=spec.origin, __package__=NAME
+        )
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") and name not in ("__path__", "__file__", "__all__"):
+        if name.startswith("__") and name not in ("__path__", "__all__"):
             raise AttributeError(name)  # copy/pickle/inspect probes: no reason to load
-        real = _load()
-        if name == "__path__":  # a submodule's import asks: see _AlreadyLoaded
-            _AlreadyLoaded.pending = True
-        return getattr(real, name)
+        return getattr(_load(), name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(_load(), name, value)
@@ -143,20 +153,18 @@ class _AlreadyLoaded(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     import system checks ``sys.modules`` for ``<x>``, then reads the package's
     ``__path__``, which loads the real package, whose own import may bring ``<x>`` in;
     the import system would then run ``<x>`` a second time, a second copy beside the
-    one dynamo uses. Right after such a read, this hands that import the module already
-    loaded (once: a later ``importlib.reload`` is left alone)."""
-
-    pending = False
+    one dynamo uses. An import (not a reload: that passes its module as ``target``) that
+    asks the finders for a module already in ``sys.modules`` can only be that one: this
+    hands it the module already loaded."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if not (_AlreadyLoaded.pending and name.startswith(NAME + ".")):
+        module = sys.modules.get(name)
+        if target is not None or module is None or not name.startswith(NAME + "."):
             return None
-        _AlreadyLoaded.pending = False
-        if name not in sys.modules:
-            return None  # not brought in by the package: imported as usual
-        spec = importlib.util.spec_from_loader(name, self)
+        old = getattr(module, "__spec__", None)
+        spec = importlib.util.spec_from_loader(name, self, origin=old.origin if old else None)
         assert spec is not None
-        spec.loader_state = sys.modules[name].__spec__
+        spec.loader_state = old
         return spec
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
@@ -172,17 +180,18 @@ def defer() -> None:
     """Install the stand-in, if ``torch._dynamo`` is not imported yet (else nothing
     changes); idempotent. :func:`elastic.train.engine.init_distributed` calls it, the
     worker's entry first thing: it helps only before anything imports the real one."""
-    if NAME in sys.modules:
-        return
-    import torch
+    global _stand_in
+    with _lock:
+        if NAME in sys.modules:
+            return
+        import torch
 
-    spec = importlib.util.find_spec(NAME)  # finds the package, runs nothing
-    assert spec is not None, NAME
-    if not any(isinstance(f, _AlreadyLoaded) for f in sys.meta_path):
+        spec = importlib.util.find_spec(NAME)  # finds the package, runs nothing
+        assert spec is not None, NAME
         sys.meta_path.insert(0, _AlreadyLoaded())
-    stand_in = _Deferred(spec)
-    sys.modules[NAME] = stand_in
-    torch.__dict__["_dynamo"] = stand_in
+        _stand_in = _Deferred(spec)
+        sys.modules[NAME] = _stand_in
+        torch.__dict__["_dynamo"] = _stand_in
 
 
 def loaded() -> bool:
