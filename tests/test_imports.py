@@ -180,3 +180,43 @@ def test_a_read_task_imports_no_torch(small_data):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "False", "a read task imported torch"
+
+
+UNPICKLE = """
+import sys
+from ray import cloudpickle
+cloudpickle.loads(sys.stdin.buffer.read())
+print("torch" in sys.modules)
+"""
+
+
+def test_what_ray_trains_controller_unpickles_imports_no_torch(small_data):
+    """Ray Train's controller process unpickles the training function, its config (the
+    run's WorkerArgs: a real experiment's TrainConfig) and the process-group config as it
+    starts, before it asks for any worker; it imported torch there (~2.4 CPU s of every
+    run's start, on the way to its first worker). elastic.train.entry and
+    elastic.cluster.rendezvous import no torch."""
+    import subprocess
+    import sys
+
+    from ray import cloudpickle
+
+    from elastic.cluster.rendezvous import ProcessGroupConfig
+    from elastic.config.compose import compose, typed_config
+    from elastic.data.order import Layout
+    from elastic.train.entry import train_loop
+    from elastic.train.worker_args import WorkerArgs
+
+    overrides = ["+experiment=smoke", f"data.path={small_data}/train", "data.val_path=null"]
+    cfg = typed_config(
+        compose([*overrides, "model.input_dim=32", "model.output_dim=4"])[0], "smoke"
+    )
+    args = WorkerArgs(cfg, {}, "/nowhere", ["a.parquet"], Layout(((4,),)), {}, False, 4)
+    payload = cloudpickle.dumps(
+        (train_loop, {"args": args}, ProcessGroupConfig(backend="gloo", loopback=True))
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", UNPICKLE], input=payload, capture_output=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr.decode()[-3000:]
+    assert out.stdout.decode().split() == ["False"], "the controller's objects import torch"

@@ -22,8 +22,11 @@ def test_the_private_ray_apis_exist_in_the_installed_ray():
     callback, watcher, switch = ray_internals.preemption_watcher()
     assert hasattr(callback, "after_worker_group_start") and hasattr(callback, "_stop_watcher")
     assert isinstance(watcher, type) and isinstance(switch, str)
-    backend, set_env = ray_internals.torch_backend()
-    assert hasattr(backend, "on_start") and callable(set_env)
+    worker = ray_internals.torch_worker()
+    assert callable(worker.set_env) and callable(worker.setup) and callable(worker.shutdown)
+    assert hasattr(worker.context, "__enter__") and callable(ray_internals.address_and_port())
+    assert ray_internals.torch_framework().value == "torch"
+    assert ray_internals.process_group_shutdown_timeout_s() > 0
     constants = ray_internals.ray_constants()
     assert isinstance(constants.ENABLE_RAY_CLUSTER, bool)
     assert isinstance(constants.PROCESS_TYPE_RAYLET, str)

@@ -8,6 +8,7 @@ then fix what it names). Imports are lazy: importing this module does not import
 from __future__ import annotations
 
 import os
+import types
 from typing import Any
 
 RAY_VERSION = "2.60.0"
@@ -26,8 +27,14 @@ IMPORTED = (
     "ray.train.v2._internal.constants:ENABLE_PREEMPTION_WATCHER_ENV_VAR",
     "ray._private.worker:get_dashboard_url",
     "ray.train.v2._internal.execution.context:get_train_context",
-    "ray.train.torch.config:_TorchBackend",
     "ray.train.torch.config:_set_torch_distributed_env_vars",
+    "ray.train.torch.config:_setup_torch_process_group",
+    "ray.train.torch.config:_shutdown_torch",
+    "ray.train.torch.config:TorchConfigContextManager",
+    "ray.train._internal.utils:get_address_and_port",
+    "ray.train.v2._internal.util:TrainingFramework",
+    "ray.train.constants:TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S",
+    "ray.train.constants:DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S",
     "ray._private.ray_constants:ENABLE_RAY_CLUSTER",
     "ray._private.ray_constants:PROCESS_TYPE_RAYLET",
     "ray._private.ray_constants:SETUP_WORKER_FILENAME",
@@ -139,12 +146,52 @@ def worker_preemption_context() -> Any:
     return get_train_context().preemption_context
 
 
-def torch_backend() -> tuple[type, Any]:
-    """Ray Train's torch backend class and the function that sets LOCAL_RANK & co. on the
-    workers (elastic.cluster.rendezvous serves the rendezvous store on loopback)."""
-    from ray.train.torch.config import _set_torch_distributed_env_vars, _TorchBackend
+def torch_worker() -> Any:
+    """Ray Train's worker side of its torch set-up, called on the workers by
+    ``elastic.cluster.rendezvous`` (which imports no torch where Ray Train's controller
+    runs): ``set_env()`` (LOCAL_RANK & co.), ``setup(backend, rank, world_size,
+    init_method, timeout_s)`` (init_process_group, with Ray Train's NCCL settings),
+    ``shutdown(destroy)``, ``context`` (around the training function: the CUDA device)."""
+    from ray.train.torch import config
 
-    return _TorchBackend, _set_torch_distributed_env_vars
+    return types.SimpleNamespace(
+        set_env=config._set_torch_distributed_env_vars,
+        setup=lambda backend, rank, world_size, init_method, timeout_s: (
+            config._setup_torch_process_group(
+                backend=backend,
+                world_rank=rank,
+                world_size=world_size,
+                init_method=init_method,
+                timeout_s=timeout_s,
+            )
+        ),
+        shutdown=lambda destroy: config._shutdown_torch(destroy_process_group=destroy),
+        context=config.TorchConfigContextManager,
+    )
+
+
+def address_and_port() -> Any:
+    """Ray Train's function that finds a worker's address and a free port (run on rank 0:
+    the process group's rendezvous)."""
+    from ray.train._internal.utils import get_address_and_port
+
+    return get_address_and_port
+
+
+def torch_framework() -> Any:
+    """Ray Train's tag for a torch run (its state export and version records)."""
+    from ray.train.v2._internal.util import TrainingFramework
+
+    return TrainingFramework.TORCH
+
+
+def process_group_shutdown_timeout_s() -> int:
+    """How long Ray Train waits for the workers to leave the process group."""
+    from ray._private.ray_constants import env_integer
+    from ray.train import constants
+
+    name = constants.TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
+    return int(env_integer(name, constants.DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S))
 
 
 def ray_constants() -> Any:

@@ -89,7 +89,8 @@ def _train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
     from elastic.cluster import rendezvous
     from elastic.train import integrity
     from elastic.train.checkpoint import read_state
-    from elastic.train.loop import WorkerArgs, train_loop
+    from elastic.train.entry import train_loop
+    from elastic.train.worker_args import WorkerArgs
 
     splits = prepare_data(cfg)
     out = run_dir(cfg)

@@ -1,4 +1,4 @@
-"""The worker entry: what every Ray Train worker runs (:func:`train_loop`).
+"""What every Ray Train worker runs (:func:`run`, called by :mod:`elastic.train.entry`).
 
 Top to bottom: world size -> batch plan -> the reader (started first: it reads while
 DeepSpeed starts) -> process group -> model + DeepSpeed -> resume -> the group's start
@@ -14,7 +14,6 @@ import random
 import socket
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from elastic.config.schema import TrainConfig
-from elastic.data.order import Layout
 from elastic.data.reader import PlannedReader, epoch_plan
 from elastic.data.shards import damaged_shard
 from elastic.errors import find_run_error, run_error, user_code
@@ -39,42 +37,15 @@ from elastic.train.engine import (
 )
 from elastic.train.step_loop import StepLoop
 from elastic.train.timing import CollectiveClock
+from elastic.train.worker_args import WorkerArgs
 
 # Batches arrive as read-only numpy views of Ray's object store; torch only reads them,
 # so we wrap them without a copy and silence torch's warning about writability.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 
-@dataclass
-class WorkerArgs:
-    """What every worker of a run gets from the driver (Ray Train passes it in the
-    ``train_loop_config`` dict, under ``"args"``)."""
-
-    cfg: TrainConfig
-    config_dict: dict[str, Any]
-    """The resolved config as plain data, for W&B."""
-    run_dir: str
-    train_files: list[str]
-    layout: Layout
-    """The train split's row groups: what every global batch is planned on."""
-    data_record: dict[str, Any]
-    """What the checkpoints keep of the data (:func:`elastic.data.reader.data_record`)."""
-    cache_train: bool
-    """The decoded train split fits ``data.cache_mb``: each row group read once a worker."""
-    train_rows: int
-    empty: dict[str, np.ndarray] = field(default_factory=dict)
-    """A batch of no rows with the decoded rows' shapes and dtypes (the driver's
-    :func:`~elastic.config.probe.probe`): what a rank with no rows of a step trains on."""
-    val_files: list[str] = field(default_factory=list)
-    """The validation split's shards (each worker reads its share: stream.val_blocks)."""
-    resume_from: str | None = None
-    """The checkpoint to resume from while Ray Train has none to hand out (its list of
-    the run's checkpoints was missing or unreadable: ``integrity.prepare_resume``)."""
-    control: Any = None
-    """The run's control actor (stop requests, fatal errors, progress)."""
-
-
-def train_loop(config: dict[str, Any]) -> None:
+def run(config: dict[str, Any]) -> None:
+    """One worker's run, from Ray Train's ``train_loop_config`` (elastic.train.entry)."""
     import ray
     import ray.train
 

@@ -10,7 +10,7 @@
   follows from the step; the data record names every shard and row group, to refuse
   changed data): bytes of ``trainer_state.json``; and what the driver sends every
   worker of every group it starts (the shard list and row groups the batches are
-  planned on, :class:`~elastic.train.loop.WorkerArgs`), pickled.
+  planned on, :class:`~elastic.train.worker_args.WorkerArgs`), pickled.
 - ``config_checks``: the checks before Ray starts (``launch/run.py``'s composition and
   the driver's data preparation: every shard's footer) on 10 to 10^4 shards. A shard
   here stands for 10^5 samples in 10 row groups; its footer is the size a real one's
@@ -90,7 +90,7 @@ def config_point(data_dir: str) -> dict[str, Any]:
     from elastic.data.reader import data_record
     from elastic.train.checkpoint import TrainerState
     from elastic.train.driver import prepare_data
-    from elastic.train.loop import WorkerArgs
+    from elastic.train.worker_args import WorkerArgs
 
     t0 = time.perf_counter()
     cfg, name = compose(
