@@ -11,7 +11,18 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from elastic_bench import chaos, gpu, hetero, ingest, memory, overhead, recovery, scale, startup
+from elastic_bench import (
+    chaos,
+    gpu,
+    hetero,
+    ingest,
+    memory,
+    overhead,
+    recovery,
+    scale,
+    startup,
+    torchft_eval,
+)
 
 # each benchmark's module: HELP, add_arguments(parser), measure(args) -> its report;
 # in the order the CLI lists them
@@ -25,6 +36,7 @@ BENCHES: dict[str, ModuleType] = {
     "gpu": gpu,
     "startup": startup,
     "scale": scale,
+    "torchft": torchft_eval,
 }
 ALL_ORDER = ("overhead", "ingest", "recovery", "chaos", "hetero", "memory", "scale")
 QUICK = {  # --quick: fewer rounds and steps, same figures (noisier)
