@@ -224,11 +224,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         report["faults"][fault] = _fault_report(records, f["time"], end, f["victim"])
         print(f"{fault}: {report['faults'][fault]}", flush=True)
     committed = [r for r in records if r["committed"]]
-    steady = [
-        b["t"] - a["t"]
-        for a, b in zip(committed, committed[1:], strict=False)
-        if b["group"] == a["group"] == 0
-    ]
+    group0 = [r["t"] for r in committed if r["group"] == 0]  # one group's commits
+    steady = [b - a for a, b in zip(group0, group0[1:], strict=False)]
     report["participants_per_step"] = sorted({r["participants"] for r in committed})
     report["step_s_median"] = statistics.median(steady) if steady else None
     report["groups"] = GROUPS

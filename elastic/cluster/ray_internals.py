@@ -35,6 +35,7 @@ IMPORTED = (
     "ray.train.v2._internal.util:TrainingFramework",
     "ray.train.constants:TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S",
     "ray.train.constants:DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S",
+    "ray._private.ray_constants:env_integer",
     "ray._private.ray_constants:ENABLE_RAY_CLUSTER",
     "ray._private.ray_constants:PROCESS_TYPE_RAYLET",
     "ray._private.ray_constants:SETUP_WORKER_FILENAME",
