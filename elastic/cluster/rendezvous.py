@@ -45,10 +45,14 @@ class ProcessGroupConfig(BackendConfig):
     timeout_s: int = 1800
     loopback: bool = False
     """Serve the rendezvous store on 127.0.0.1 (the cluster is on loopback)."""
+    live: bool = False
+    """``scaling.live``: each worker a replica group of its own (Ray Train replaces a
+    dead one alone); the workers make their process groups themselves, one a quorum
+    (:mod:`elastic.train.quorum`)."""
 
     @property
     def backend_cls(self) -> type:
-        return _ProcessGroupBackend
+        return _LiveBackend if self.live else _ProcessGroupBackend
 
     @property
     def train_func_context(self) -> type:
@@ -62,11 +66,43 @@ class ProcessGroupConfig(BackendConfig):
         return {"backend": self.backend, "init_method": "env", "timeout_s": self.timeout_s}
 
 
-def torch_config(use_gpu: bool) -> ProcessGroupConfig:
+def torch_config(use_gpu: bool, live: bool = False) -> ProcessGroupConfig:
     return ProcessGroupConfig(
         backend="nccl" if use_gpu else "gloo",
         loopback=ray.util.get_node_ip_address() == LOOPBACK,
+        live=live,
     )
+
+
+def serve_quorum_store() -> tuple[tuple[str, int], Any]:
+    """The driver's side of a live run: the store every quorum's process group meets in
+    (it outlives any worker), bound to this node's address (loopback on a loopback
+    cluster), not every interface. ((host, port), the store: keep it referenced for
+    the run)."""
+    import torch.distributed as dist
+
+    host = ray.util.get_node_ip_address()
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.bind((host, 0))
+    sock.listen(128)
+    port = int(sock.getsockname()[1])
+    store = dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        timeout=timedelta(seconds=60),
+        wait_for_workers=False,
+        master_listen_fd=sock.fileno(),
+    )
+    return (host, port), (sock, store)
+
+
+class _LiveBackend(Backend):
+    """Ray Train's replica-group mode: a dead worker is replaced alone, the others keep
+    running. Nothing to set up here: each worker joins its quorum itself."""
+
+    share_cuda_visible_devices = True
+    has_replica_groups = True
 
 
 class _ProcessGroupBackend(Backend):

@@ -52,6 +52,13 @@ class ScalingConfig:
     drain_poll_interval_s: float = 1.0
     """How often Ray Train looks for drained (preempted) nodes (Ray default 5); a drain
     makes the run checkpoint at once."""
+    live: bool = False
+    """Live recovery: a dead worker costs the others the step in flight, not a restart.
+    Each worker is a replica group of its own; the survivors compute that step again
+    over the same global batch, Ray Train starts a worker in the dead one's place, and
+    it copies its state from a survivor's memory (docs/elastic.md#live-recovery). For
+    now: fp32 ZeRO-0 on CPU (gloo); a node lost with no room for its workers restarts
+    from the last checkpoint as before."""
 
     def validate(self) -> None:
         """scaling.workers is resolved (and checked) before, by
@@ -70,6 +77,16 @@ class ScalingConfig:
         if self.max_failures < -1:
             raise ConfigError(
                 f"scaling.max_failures={self.max_failures}: use -1 (no limit) or >= 0"
+            )
+        if self.live and self.max_failures == 0:
+            raise ConfigError(
+                "scaling.live=true with scaling.max_failures=0: Ray Train replaces a dead "
+                "worker only while failures are allowed; set max_failures > 0 or -1"
+            )
+        if self.live and self.use_gpu:
+            raise ConfigError(
+                "scaling.live=true with scaling.use_gpu=true: live recovery runs on gloo "
+                "(CPU) for now; set scaling.live=false to train on GPUs"
             )
         positive("scaling.placement_timeout_s", self.placement_timeout_s, allow_zero=True)
         for key in (

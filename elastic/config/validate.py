@@ -125,9 +125,35 @@ def validate(cfg: TrainConfig) -> None:
     cfg.cluster.validate()
     _check_cluster_fits(cfg)
     cfg.stragglers.validate()
+    _check_live(cfg)
     task = task_of(cfg.model)  # a registered task
     cfg.model.validate()  # the family's own keys first (its message names them)
     task.check_model()  # then what the task needs of the model (classes, outputs)
+
+
+def _check_live(cfg: TrainConfig) -> None:
+    """Live recovery's limits for now: each worker a replica group of its own, whose
+    gradients elastic's own all-reduce averages (fp32 ZeRO-0)."""
+    if not cfg.scaling.live:
+        return
+    st = cfg.strategy
+    for key, value, need in (
+        ("strategy.zero_stage", st.zero_stage, 0),
+        ("strategy.precision", st.precision, "fp32"),
+        ("strategy.overlap_reduce", st.overlap_reduce, True),
+    ):
+        if value != need:
+            raise ConfigError(
+                f"scaling.live=true needs {key}={str(need).lower()} for now (each worker a "
+                f"replica group of its own), not {str(value).lower()}: set {key}="
+                f"{str(need).lower()} or scaling.live=false"
+            )
+    if cfg.stragglers.policy != "report":
+        raise ConfigError(
+            f"scaling.live=true with stragglers.policy={cfg.stragglers.policy}: not yet "
+            "(a newcomer lacks the figures the others decide by); use "
+            "stragglers.policy=report, or scaling.live=false"
+        )
 
 
 def _check_choices(section: Any, prefix: str) -> None:

@@ -75,6 +75,32 @@ def data_record(cfg: DataConfig, files: list[str], layout: Layout) -> dict[str, 
     }
 
 
+def slice_ids(
+    cfg: DataConfig,
+    files: list[str],
+    layout: Layout,
+    epoch: int,
+    steps: range,
+    ranks: list[int],
+    world: Split,
+) -> np.ndarray:
+    """The sample ids of ranks ``ranks``' slices of steps ``steps`` (0-based in epoch
+    ``epoch``) at split ``world``, read from the shards (the ``sample_id`` column of the
+    row groups they fall in)."""
+    import pyarrow.parquet as pq
+
+    plan = epoch_plan(cfg, layout, epoch)
+    rows = [r for k in steps for rank in ranks for r in plan.slice(k, rank, world)]
+    columns: dict[Group, np.ndarray] = {}
+    out = np.empty(len(rows), np.int64)
+    for i, (f, g, r) in enumerate(rows):
+        if (f, g) not in columns:
+            table = pq.ParquetFile(files[f]).read_row_group(g, columns=["sample_id"])
+            columns[(f, g)] = table["sample_id"].to_numpy()
+        out[i] = columns[(f, g)][r]
+    return out
+
+
 SETTING_KEYS = {
     "global_batch_size": "data.global_batch_size",
     "lanes": "data.lanes",
@@ -394,15 +420,18 @@ class PlannedReader:
                 self._cond.notify_all()
             yield f, g, columns
 
-    def resplit(self, world: Split, epoch: int, step: int) -> PlannedReader:
+    def resplit(
+        self, world: Split, epoch: int, step: int, rank: int | None = None
+    ) -> PlannedReader:
         """This reader from step ``step`` of epoch ``epoch`` on with another split of
-        every step's rows (the decoded row groups it caches are kept); it is closed."""
+        every step's rows (the decoded row groups it caches are kept), and ``rank``'s
+        slices where given (a live run's new quorum); it is closed."""
         self.close()
         return PlannedReader(
             self.cfg,
             self.files,
             self.layout,
-            self.rank,
+            self.rank if rank is None else rank,
             world,
             first_epoch=epoch,
             first_step=step,

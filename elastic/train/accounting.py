@@ -130,12 +130,18 @@ def _compressible(bitmap: np.ndarray, chunks: int = 16, chunk_bytes: int = 4096)
     return len(zlib.compress(sample, 1)) < 0.8 * max(1, len(sample))
 
 
-def gather_ledger(ledger: SampleLedger, rank: int, world: int) -> None:
+def gather_ledger(ledger: SampleLedger, rank: int, world: int, everywhere: bool = False) -> None:
     """Collective (a gather to rank 0): every rank's sample ids noted since the last
-    gather, merged into rank 0's ledger."""
+    gather, merged into rank 0's ledger; ``everywhere`` (a live run: any member may
+    become rank 0), an all-gather merged into every rank's."""
     import torch.distributed as dist
 
     mine = ledger.take_pending()
+    if everywhere:
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, mine)
+        ledger.merge(every)
+        return
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if gathered is not None:

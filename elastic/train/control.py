@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elastic.train.membership import Quorums
 from elastic.train.trainer import DrainWatching
 
 STOP_WAIT_S = 10.0
@@ -23,9 +24,10 @@ asked again (a stop answers it at once)."""
 STATUS_WAIT_S = 10.0
 """The same for the driver's "anything new?" (a fatal error, rank 0's progress, a node
 to keep out)."""
-CONTROL_THREADS = 16
+CONTROL_THREADS = 64
 """The control actor's threads: each standing question holds one while it waits (the
-driver's, each worker group's rank 0's until it times out), the others answer at once."""
+driver's, each worker group's rank 0's until it times out; in a live run, each worker
+asking for its next quorum), the others answer at once."""
 SYNC_PERIOD_S = 0.25
 """About how often the ranks agree on their steps (:class:`SyncPace`)."""
 SYNC_MAX_STEPS = 32
@@ -63,6 +65,10 @@ class RunControl(DrainWatching):
         self._group_up = False
         self._starting = True
         self._down_since: float | None = time.time()
+        # scaling.live: the quorums, and each member's Ray worker actor (to ask Ray
+        # whether it is alive)
+        self._members: dict[str, Any] = {}
+        self.quorums = Quorums(self._alive)
 
     def _tell(self) -> None:
         """News: wake every standing question (the caller holds ``_news``)."""
@@ -168,6 +174,54 @@ class RunControl(DrainWatching):
         with self._news:
             self._news.wait_for(lambda: self._version > seen, timeout_s)
             return self._version, self.status()
+
+    # -- scaling.live: quorums (elastic.train.membership) ----------------------------
+    def quorum_ask(
+        self, member: str, actor: Any, leaving: int, step: int, expected: int, timeout_s: float
+    ) -> dict[str, Any] | None:
+        """A live run's worker leaves quorum ``leaving`` (-1: none yet) at ``step``: the
+        next quorum it is in, once decided (else None after ``timeout_s``: ask again)."""
+        with self._news:
+            self._members.setdefault(member, actor)
+        m = self.quorums.ask(member, leaving, step, expected, timeout_s)
+        return None if m is None else m.to_dict()
+
+    def quorum_live(self) -> int:
+        """The id of the quorum training now if a member of it is alive, else -1 (a new
+        worker group forms a first one)."""
+        return self.quorums.live_id()
+
+    def quorum_now(self) -> int:
+        """The id of the quorum training now (-1: none yet)."""
+        return self.quorums.current.id
+
+    def quorum_dead(self, quorum: int) -> list[str]:
+        """Members of quorum ``quorum`` whose processes are gone (Ray says)."""
+        return self.quorums.dead(quorum)
+
+    def quorum_history(self) -> list[dict[str, Any]]:
+        return list(self.quorums.history)
+
+    def _alive(self, members: list[str]) -> set[str]:
+        """Which of ``members`` Ray still has a worker actor for (one that does not
+        answer within a second is busy, so alive)."""
+        import ray
+
+        with self._news:
+            handles = {m: self._members[m] for m in members if m in self._members}
+        pings = {m: h.__ray_ready__.remote() for m, h in handles.items()}
+        alive = {m for m in members if m not in handles}  # not asked yet: no word of it
+        ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=1.0)
+        for m, ref in pings.items():
+            if ref not in ready:
+                alive.add(m)
+                continue
+            try:
+                ray.get(ref)
+                alive.add(m)
+            except ray.exceptions.RayActorError:
+                pass
+        return alive
 
     def register_start(self, world_size: int) -> tuple[list[int], bool]:
         """World sizes of every worker group start of this fit(), this one last; and

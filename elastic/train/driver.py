@@ -139,6 +139,9 @@ def _train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
             print(f"[elastic] warning: {warning}", flush=True)
         ray.data.DataContext.get_current().enable_progress_bars = False
         control = start_control()
+        quorum_store, serving = None, None  # a live run's store, served for the run
+        if sc.live:
+            quorum_store, serving = rendezvous.serve_quorum_store()
         trainer = interruptible(TorchTrainer, control)(
             train_loop,
             train_loop_config={
@@ -155,6 +158,7 @@ def _train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
                     empty=probed.empty,
                     resume_from=None if resume.registered else resume.path,
                     control=control,
+                    quorum_store=quorum_store,
                 )
             },
             scaling_config=ScalingConfig(
@@ -172,7 +176,7 @@ def _train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
                 # an eviction restarts the worker group, which Ray Train counts as a failure
                 failure_config=FailureConfig(max_failures=sc.max_failures + _evictions(cfg)),
             ),
-            torch_config=rendezvous.torch_config(sc.use_gpu),
+            torch_config=rendezvous.torch_config(sc.use_gpu, live=sc.live),
         )
         t = cfg.trainer
         display = DriverProgress(
@@ -199,6 +203,7 @@ def _train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
             with _run_control(control, trainer, display, Cordons(out, control), no_group):
                 result = trainer.fit()
         finally:
+            del serving  # the quorums' store: no worker needs it now
             display.close()
             try:
                 append_record(out, {"event": SESSION_END, "time": time.time()})

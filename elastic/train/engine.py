@@ -223,6 +223,18 @@ def build_engine(
     return engine
 
 
+def set_plan(engine: Any, plan: BatchPlan, rank: int) -> None:
+    """A live run's quorum: the engine's batch settings for ``plan`` (its world size and
+    gradient accumulation; DeepSpeed reads them from its config at each step) and this
+    worker's ``rank`` in it (whose checkpoint files it writes)."""
+    c = engine._config
+    c.train_batch_size = plan.deepspeed_batch_size
+    c.train_micro_batch_size_per_gpu = plan.micro_batch_size
+    c.gradient_accumulation_steps = plan.grad_accum_steps
+    engine.dp_world_size = engine.world_size = plan.world_size
+    engine.global_rank = rank
+
+
 def set_base_lr(engine: Any, cfg: TrainConfig) -> None:
     """After a restore: the learning rate follows the config of this start
     (``optim.lr``), not the one saved in the checkpoint."""

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from elastic.cluster import ray_internals
 from elastic.config.schema import TrainConfig
 from elastic.data.reader import PlannedReader, epoch_plan
 from elastic.data.shards import damaged_shard
@@ -27,14 +28,18 @@ from elastic.errors import find_run_error, run_error, user_code
 from elastic.observe.tracking import NullTracker, make_tracker
 from elastic.train import checkpoint as ckpt
 from elastic.train import integrity, lazy_dynamo
+from elastic.train.accounting import gather_ledger
 from elastic.train.batch import BatchPlan
 from elastic.train.engine import (
     build_engine,
     init_distributed,
     set_base_lr,
+    set_plan,
     slow_bf16_warning,
     warm_imports,
 )
+from elastic.train.membership import Membership
+from elastic.train.quorum import Quorum, abandon_default_group, copy_state
 from elastic.train.step_loop import StepLoop
 from elastic.train.timing import CollectiveClock
 from elastic.train.worker_args import WorkerArgs
@@ -53,7 +58,10 @@ def run(config: dict[str, Any]) -> None:
     cfg = args.cfg
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    plan = BatchPlan.for_world(cfg.data.global_batch_size, world, cfg.data.micro_batch_size)
+    quorum = None  # scaling.live: this worker's membership (rank and world: its quorum's)
+    if args.quorum_store is not None:
+        ray_internals.torch_worker().set_env()  # LOCAL_RANK & co., as Ray Train's backend
+        quorum = Quorum(args.quorum_store, args.control, rank, world)
 
     started = time.perf_counter()
     lazy_dynamo.defer()  # first: nothing before the engine may import torch's compiler
@@ -67,6 +75,19 @@ def run(config: dict[str, Any]) -> None:
             integrity.check_intact(path)
         state = ckpt.read_state(path) if path else ckpt.TrainerState()
         state.data = args.data_record  # the driver checked a resumed run's against it
+        # a quorum with a live member trains: this worker replaces a dead one (else it
+        # is one of a group Ray Train started, first or again after a restart)
+        joining = quorum is not None and ray.get(args.control.quorum_live.remote()) >= 0
+        if quorum is not None and not joining:
+            # the first quorum: every worker, each resumed from the same checkpoint
+            m = quorum.form(state.step)
+            rank, world = m.rank(quorum.name), m.size
+        elif joining:
+            # a newcomer builds its engine alone (DeepSpeed's start makes collectives the
+            # quorum would not), then joins and copies the state from rank 0
+            rank, world = 0, 1
+            _alone()
+        plan = BatchPlan.for_world(cfg.data.global_batch_size, world, cfg.data.micro_batch_size)
         steps_per_epoch = epoch_plan(cfg.data, args.layout, 0).steps  # every epoch's
         # this rank's row groups from the resume step on, read while DeepSpeed starts
         reader = PlannedReader(
@@ -91,9 +112,16 @@ def run(config: dict[str, Any]) -> None:
         resharded = path is not None and ckpt.needs_reshard(state, world, cfg.strategy.zero_stage)
         engine = build_engine(cfg, plan, model, load_universal=resharded)
         marks["engine_s"] = time.perf_counter()
-        if path is not None:
+        if path is not None and not joining:
             ckpt.restore(engine, path, rank, universal=resharded)
             set_base_lr(engine, cfg)
+        if quorum is not None and joining:
+            abandon_default_group()  # the group it built its engine in
+            m = quorum.form(state.step)
+            rank, world = m.rank(quorum.name), m.size
+            plan = BatchPlan.for_world(cfg.data.global_batch_size, world, cfg.data.micro_batch_size)
+        if quorum is not None:
+            set_plan(engine, plan, rank)  # its rank and world are the quorum's
         marks["restore_s"] = time.perf_counter()
     # seconds each part of this start took, in order
     edges = [started, *marks.values()]
@@ -107,6 +135,14 @@ def run(config: dict[str, Any]) -> None:
         config=args.config_dict,
         run_id=state.wandb_run_id,
     )
+    where = _where(world)
+    loop_state: dict[str, Any] = {}
+    if joining:
+        assert quorum is not None and quorum.membership is not None
+        # the survivors send it (StepLoop._reform)
+        loop_state = copy_state(engine, state, quorum.membership)[1]
+        gather_ledger(state.ledger, rank, world, everywhere=True)  # as they do next
+        reader = reader.resplit(world, state.epoch, state.step - state.epoch_start_step, rank)
     state.wandb_run_id = tracker.run_id
     control = args.control
     if rank == 0 and control is not None:
@@ -116,7 +152,8 @@ def run(config: dict[str, Any]) -> None:
             cause = "grow" if world > before else "shrink" if world < before else "failure"
             cause = "evict" if evicted else cause
             tracker.event(state.step, "restart", cause=cause, world_size=world, previous=before)
-    _note_start(state, tracker, plan, resumed=path is not None, resharded=resharded)
+    if not joining:
+        _note_start(state, tracker, plan, resumed=path is not None, resharded=resharded)
     slow_bf16 = slow_bf16_warning(cfg) if rank == 0 else None  # rank 0's node, every start
     if slow_bf16 is not None:
         tracker.event(state.step, "bf16_slow_on_cpu", host=socket.gethostname(), **slow_bf16)
@@ -125,6 +162,26 @@ def run(config: dict[str, Any]) -> None:
         if stale:
             tracker.event(state.step, "stale_checkpoints_removed", names=sorted(stale))
 
+    lead = [rank == 0]  # whether this worker's tracker is rank 0's
+
+    def rewire(m: Membership) -> tuple[Any, list[dict[str, Any]]]:
+        """A live run's new quorum: rank 0's tracker where this worker became rank 0
+        (the eldest left), every rank's place."""
+        nonlocal tracker
+        assert quorum is not None
+        if m.rank(quorum.name) == 0 and not lead[0]:
+            lead[0] = True
+            tracker = make_tracker(
+                0,
+                cfg=cfg.logger,
+                run_dir=args.run_dir,
+                run_name=cfg.run.name,
+                experiment=cfg.run.experiment,
+                config=args.config_dict,
+                run_id=state.wandb_run_id,
+            )
+        return tracker, _where(m.size)
+
     trainer = StepLoop(
         cfg,
         engine,
@@ -132,17 +189,27 @@ def run(config: dict[str, Any]) -> None:
         state,
         tracker,
         rank,
-        _where(world),
+        where,
         steps_per_epoch=steps_per_epoch,
         run_dir=args.run_dir,
         control=control,
         startup={"since": started, **startup},
         empty=args.empty,
+        quorum=quorum,
+        rewire=rewire if quorum is not None else None,
     )
+    trainer._save_due = bool(loop_state.get("save_due", False))
+    end = loop_state.get("end")  # a newcomer that joined the others at the end
     try:
-        trainer.train(reader, args.val_files)
-        # a preempted run checkpoints and goes: validation would eat into the grace period
-        val = {} if trainer.stop_reason == "preempted" else trainer.validate(args.val_files)
+        if end is not None:
+            reader.close()
+            trainer.stop_reason, val = end["stop_reason"], end["val"]
+        else:
+            trainer.train(reader, args.val_files)
+            # a preempted run checkpoints and goes: validation would eat into the grace
+            # period
+            stopped = trainer.stop_reason == "preempted"
+            val = {} if stopped else trainer.validate(args.val_files)
     except Exception as e:
         found = find_run_error(e)
         message = (
@@ -160,8 +227,14 @@ def run(config: dict[str, Any]) -> None:
             ray.get(control.fail.remote(message))
         raise
     trainer.finish(val, args.train_rows)
-    tracker.finish()
+    trainer.tracker.finish()
     dist.barrier()
+
+
+def _alone() -> None:
+    """A process group of this worker alone (a live run's newcomer builds its engine in
+    it, then leaves it for its quorum)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _epochs_left(cfg: TrainConfig, per_epoch: int, state: ckpt.TrainerState) -> int | None:

@@ -49,10 +49,13 @@ FIRST_BUCKET_BYTES = 1 << 20  # torch DDP's: the first all-reduce starts early
 BUCKET_BYTES = 25 << 20  # and its bucket_cap_mb for the rest
 
 
-def overlapped_reduce(engine: Any, strategy: StrategyConfig) -> OverlappedReduce | None:
+def overlapped_reduce(
+    engine: Any, strategy: StrategyConfig, live: bool = False
+) -> OverlappedReduce | None:
     """Take the gradient reduction over from ``engine`` where asked
     (``strategy.overlap_reduce``, the default) and where this module can (fp32 ZeRO-0, a plain torch
-    optimizer); None, and DeepSpeed's left in place, otherwise."""
+    optimizer); None, and DeepSpeed's left in place, otherwise. ``live``: a live run's
+    (its quorum may shrink to one worker and grow again: kept at any size)."""
     if not strategy.overlap_reduce or strategy.zero_stage != 0 or strategy.precision != "fp32":
         return None
     if type(engine.optimizer).__module__.split(".")[0] == "deepspeed":
@@ -61,7 +64,7 @@ def overlapped_reduce(engine: Any, strategy: StrategyConfig) -> OverlappedReduce
         return None  # experts reduce over their expert group, not the world: DeepSpeed's
     if any(getattr(m, "sparse", False) is True for m in engine.module.modules()):
         return None  # a sparse embedding's gradients: DeepSpeed reduces them as such
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or (dist.get_world_size() == 1 and not live):
         return None
     return OverlappedReduce(engine)
 
@@ -94,6 +97,16 @@ class OverlappedReduce:
         for p in params:
             p.register_post_accumulate_grad_hook(self._accumulated)
         engine.enable_backward_allreduce = False  # DeepSpeed's own pass: now this one
+
+    def regroup(self, world: int) -> None:
+        """A live run's new quorum (``world`` workers), the step in flight not
+        committed: its gradients are dropped, the step starts over."""
+        self.world = world
+        self.fused = self.engine.gradient_accumulation_steps() == 1
+        for p, view in self.views.items():
+            view.zero_()
+            p.grad = None
+        self._new_step()
 
     def _new_step(self) -> None:
         self.seen: set[torch.Tensor] = set()  # parameters with a gradient this step

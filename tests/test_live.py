@@ -1,0 +1,111 @@
+"""Live recovery (``scaling.live``) on a real multi-raylet Ray cluster with real kills: a
+dead worker costs the others the step in flight, not a restart. What each run must show
+is in its files (records, summary, checkpoints), checked against the plan's batches,
+computed apart from the run."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from conftest import (
+    FAST_POLL,
+    assert_every_epoch_once,
+    cluster_data,
+    cluster_overrides,
+    planned_digests,
+)
+
+from elastic_harness.localcluster import RayCluster, Run
+
+pytestmark = pytest.mark.slow  # the fast tier: pytest -m 'not slow'
+
+ROWS, BATCH, EPOCHS, WORKERS = 2048, 64, 5, 3
+LIVE = ("scaling.live=true", "strategy.zero_stage=0", "checkpoint.every_steps=40")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return cluster_data(tmp_path_factory.mktemp("live-data"), ROWS, seed=3)
+
+
+@pytest.fixture
+def cluster():
+    clusters: list[RayCluster] = []
+
+    def make(worker_nodes: int) -> RayCluster:
+        clusters.append(RayCluster(worker_nodes))
+        return clusters[-1]
+
+    yield make
+    for c in clusters:
+        c.shutdown()
+
+
+def _run(c: RayCluster, data, tmp_path, name: str) -> Run:
+    overrides = cluster_overrides(data, 1024, BATCH, EPOCHS, FAST_POLL, *LIVE)
+    overrides += [f"scaling.min_workers={WORKERS}", f"scaling.max_workers={WORKERS}"]
+    return Run(tmp_path, name, overrides, c.address)
+
+
+def _pid(member: str) -> int:
+    return int(member.split(".")[1])
+
+
+def _assert_planned_batches_once_each(run: Run, data, broke_at: list[int]) -> None:
+    """Every step trained once, on the rows the plan gives it: each logged step's ids
+    digest equals the plan's, computed apart from the run (the same global batches as
+    an undisturbed run); no step is logged twice (none trained again). A step whose log
+    line a failure cut (it broke the log's all-gather, after the step was committed) is
+    one the quorum broke at (``broke_at``); the ledger says its rows were trained."""
+    logged = [(r["step"], r["train/batch_digest"]) for r in run.records() if "train/loss" in r]
+    steps = EPOCHS * ROWS // BATCH
+    planned = planned_digests(
+        data / "train", {"global_batch_size": BATCH, "lanes": 8 * WORKERS}, steps
+    )
+    numbers = [s for s, _ in logged]
+    assert len(numbers) == len(set(numbers)) and numbers == sorted(numbers)
+    assert set(range(1, steps + 1)) - set(numbers) <= set(broke_at)
+    assert dict(logged) == {s: planned[s] for s in numbers}
+
+
+def test_killed_workers_cost_the_survivors_a_step_not_a_restart(cluster, data, tmp_path):
+    """3 workers on 3 nodes, each a replica group. A worker that is not rank 0 is
+    SIGKILLed; once Ray Train's worker in its place has joined (copying the state from
+    rank 0's memory), rank 0 itself is. The survivors keep their processes and train on
+    at world size 2 over the same global batches; each newcomer joins at a step boundary;
+    a survivor takes over rank 0's records. No worker group restarts, every step is
+    trained once on its planned rows, every sample of every epoch once."""
+    c = cluster(WORKERS)
+    run = _run(c, data, tmp_path, "live-kill")
+    run.wait_for("step 10", lambda: run.last_step() >= 10)
+    first = set(c.train_worker_pids())
+    assert len(first) == WORKERS
+    victim = max(first)  # not rank 0's: the eldest by slot is (slot 0)
+    os.kill(victim, signal.SIGKILL)
+    joined = run.wait_for("a newcomer", lambda: [q for q in run.events("quorum") if q["joined"]])
+    rank0 = _pid(joined[0]["members"][0])
+    assert rank0 != victim
+    os.kill(rank0, signal.SIGKILL)
+    assert run.finish() == 0, run.output()[-5000:]
+    s = run.summary()
+    assert s["status"] == "finished"
+    assert not run.events("restart") and not run.events("resume")
+    quorums = run.events("quorum")
+    losses = [(q["gone"], q["joined"], q["world_size"]) for q in quorums]
+    # each kill: the survivors go on at 2 (the step in flight computed again), then a
+    # newcomer joins them, at 3
+    shrinks = [q for q in quorums if q["gone"]]
+    assert [len(q["gone"]) for q in shrinks] == [1, 1], losses
+    assert [_pid(q["gone"][0]) for q in shrinks] == [victim, rank0], losses
+    assert all(q["world_size"] == 2 for q in shrinks), losses
+    joins = [q for q in quorums if q["joined"]]
+    assert len(joins) == 2 and all(q["copied_bytes"] > 0 for q in joins), losses
+    # the survivors' processes never changed: every member of the last quorum that was
+    # there before the kills is one of the first workers
+    final = {_pid(m) for m in quorums[-1]["members"]}
+    assert len(final) == WORKERS and final & first == first - {victim, rank0}
+    assert {w["pid"] for w in s["workers"]} == final
+    _assert_planned_batches_once_each(run, data, [q["step"] for q in shrinks])
+    assert_every_epoch_once(s, data / "train", EPOCHS, ROWS)
