@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 from conftest import (
@@ -21,7 +22,7 @@ from elastic_harness.localcluster import RayCluster, Run
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m 'not slow'
 
-ROWS, BATCH, EPOCHS, WORKERS = 2048, 64, 5, 3
+ROWS, BATCH, EPOCHS, WORKERS = 2048, 64, 10, 3
 LIVE = ("scaling.live=true", "strategy.zero_stage=0", "checkpoint.every_steps=40")
 
 
@@ -45,7 +46,7 @@ def cluster():
 
 def _run(c: RayCluster, data, tmp_path, name: str) -> Run:
     overrides = cluster_overrides(data, 1024, BATCH, EPOCHS, FAST_POLL, *LIVE)
-    overrides += [f"scaling.min_workers={WORKERS}", f"scaling.max_workers={WORKERS}"]
+    overrides += ["scaling.min_workers=2", f"scaling.max_workers={WORKERS}"]
     return Run(tmp_path, name, overrides, c.address)
 
 
@@ -53,21 +54,23 @@ def _pid(member: str) -> int:
     return int(member.split(".")[1])
 
 
-def _assert_planned_batches_once_each(run: Run, data, broke_at: list[int]) -> None:
-    """Every step trained once, on the rows the plan gives it: each logged step's ids
-    digest equals the plan's, computed apart from the run (the same global batches as
-    an undisturbed run); no step is logged twice (none trained again). A step whose log
-    line a failure cut (it broke the log's all-gather, after the step was committed) is
-    one the quorum broke at (``broke_at``); the ledger says its rows were trained."""
-    logged = [(r["step"], r["train/batch_digest"]) for r in run.records() if "train/loss" in r]
+def _assert_planned_batches(run: Run, data, broke_at: list[int], restart: float) -> None:
+    """Every step trained on the rows the plan gives it: each logged step's ids digest
+    equals the plan's, computed apart from the run (the same global batches as an
+    undisturbed run). Before the restart from storage (at ``restart``) no step is logged
+    twice (none trained again); a step whose log line a failure cut (it broke the log's
+    all-gather after the step was committed) is one a quorum broke at (``broke_at``):
+    the ledger says its rows were trained."""
+    records = [r for r in run.records() if "train/loss" in r]
     steps = EPOCHS * ROWS // BATCH
     planned = planned_digests(
         data / "train", {"global_batch_size": BATCH, "lanes": 8 * WORKERS}, steps
     )
-    numbers = [s for s, _ in logged]
-    assert len(numbers) == len(set(numbers)) and numbers == sorted(numbers)
-    assert set(range(1, steps + 1)) - set(numbers) <= set(broke_at)
-    assert dict(logged) == {s: planned[s] for s in numbers}
+    trained = {r["step"]: r["train/batch_digest"] for r in records}
+    assert trained == {s: planned[s] for s in trained}
+    assert set(planned) - set(trained) <= set(broke_at)
+    live = [r["step"] for r in records if r["time"] < restart]
+    assert live == sorted(set(live))
 
 
 def test_killed_workers_cost_the_survivors_a_step_not_a_restart(cluster, data, tmp_path):
@@ -75,8 +78,10 @@ def test_killed_workers_cost_the_survivors_a_step_not_a_restart(cluster, data, t
     SIGKILLed; once Ray Train's worker in its place has joined (copying the state from
     rank 0's memory), rank 0 itself is. The survivors keep their processes and train on
     at world size 2 over the same global batches; each newcomer joins at a step boundary;
-    a survivor takes over rank 0's records. No worker group restarts, every step is
-    trained once on its planned rows, every sample of every epoch once."""
+    a survivor takes over rank 0's records. Then a node is lost with no room left for
+    its worker (scaling.min_workers=2): the run restarts at 2 from its last checkpoint,
+    as without scaling.live. Every step trains its planned rows, every sample of every
+    epoch once."""
     c = cluster(WORKERS)
     run = _run(c, data, tmp_path, "live-kill")
     run.wait_for("step 10", lambda: run.last_step() >= 10)
@@ -88,11 +93,17 @@ def test_killed_workers_cost_the_survivors_a_step_not_a_restart(cluster, data, t
     rank0 = _pid(joined[0]["members"][0])
     assert rank0 != victim
     os.kill(rank0, signal.SIGKILL)
+    run.wait_for(
+        "a second newcomer", lambda: len([q for q in run.events("quorum") if q["joined"]]) > 1
+    )
+    quorums = run.events("quorum")
+    run.wait_checkpoint()
+    everyone = {_pid(m) for m in run.events("quorum")[-1]["members"]}
+    restart = time.time()
+    c.remove_node(c.node_of_pid(max(everyone)))  # no room for a worker in its place
     assert run.finish() == 0, run.output()[-5000:]
     s = run.summary()
     assert s["status"] == "finished"
-    assert not run.events("restart") and not run.events("resume")
-    quorums = run.events("quorum")
     losses = [(q["gone"], q["joined"], q["world_size"]) for q in quorums]
     # each kill: the survivors go on at 2 (the step in flight computed again), then a
     # newcomer joins them, at 3
@@ -102,10 +113,15 @@ def test_killed_workers_cost_the_survivors_a_step_not_a_restart(cluster, data, t
     assert all(q["world_size"] == 2 for q in shrinks), losses
     joins = [q for q in quorums if q["joined"]]
     assert len(joins) == 2 and all(q["copied_bytes"] > 0 for q in joins), losses
-    # the survivors' processes never changed: every member of the last quorum that was
-    # there before the kills is one of the first workers
-    final = {_pid(m) for m in quorums[-1]["members"]}
-    assert len(final) == WORKERS and final & first == first - {victim, rank0}
-    assert {w["pid"] for w in s["workers"]} == final
-    _assert_planned_batches_once_each(run, data, [q["step"] for q in shrinks])
+    # the survivors' processes never changed: the quorum after the second join holds
+    # the first workers that were not killed and the two newcomers
+    assert {_pid(m) for m in joins[1]["members"]} & first == first - {victim, rank0}
+    # no worker group restarted until the node was lost; then one, from storage (Ray
+    # Train's, or, where its controller failed replacing workers, the driver's new fit)
+    restarts = run.events("restart") + run.events("refit")
+    assert len(restarts) == 1 and restarts[0]["time"] > restart, restarts
+    resumes = run.events("resume")
+    assert len(resumes) == 1 and resumes[0]["step"] in run.registered_steps() + [resumes[0]["step"]]
+    assert {w["pid"] for w in s["workers"]}.isdisjoint(everyone | first)
+    _assert_planned_batches(run, data, [q["step"] for q in shrinks], restart)
     assert_every_epoch_once(s, data / "train", EPOCHS, ROWS)

@@ -138,46 +138,54 @@ def _train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
         for warning in check_resources(sc, ray.nodes(), fixed=not cfg.cluster.address):
             print(f"[elastic] warning: {warning}", flush=True)
         ray.data.DataContext.get_current().enable_progress_bars = False
-        control = start_control()
         quorum_store, serving = None, None  # a live run's store, served for the run
         if sc.live:
             quorum_store, serving = rendezvous.serve_quorum_store()
-        trainer = interruptible(TorchTrainer, control)(
-            train_loop,
-            train_loop_config={
-                "args": WorkerArgs(
-                    cfg=cfg,
-                    config_dict=config_dict,
-                    run_dir=out,
-                    train_files=train_split.files,
-                    layout=layout,
-                    data_record=record,
-                    cache_train=cache_train,
-                    train_rows=train_split.rows,
-                    val_files=splits["val"].files if "val" in splits else [],
-                    empty=probed.empty,
-                    resume_from=None if resume.registered else resume.path,
-                    control=control,
-                    quorum_store=quorum_store,
-                )
-            },
-            scaling_config=ScalingConfig(
-                num_workers=workers,  # type: ignore[arg-type]  # (min, max) is elastic
-                use_gpu=sc.use_gpu,
-                resources_per_worker={"CPU": sc.cpus_per_worker},
-                placement_strategy=sc.placement_strategy,
-                # Train V2 field (mypy sees the V1 class)
-                elastic_resize_monitor_interval_s=sc.resize_interval_s,  # type: ignore[call-arg]
-            ),
-            run_config=RunConfig(
-                name=cfg.run.name,
-                storage_path=cfg.run.storage_path,
-                checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-                # an eviction restarts the worker group, which Ray Train counts as a failure
-                failure_config=FailureConfig(max_failures=sc.max_failures + _evictions(cfg)),
-            ),
-            torch_config=rendezvous.torch_config(sc.use_gpu, live=sc.live),
-        )
+
+        def make_trainer(attempt: int) -> tuple[Any, Any]:
+            """The run's control actor and its TorchTrainer (``attempt``: a live run's
+            fits, each with its own keys in the quorums' store)."""
+            control = start_control()
+            store_at = None if quorum_store is None else (*quorum_store, f"fit{attempt}/")
+            trainer = interruptible(TorchTrainer, control)(
+                train_loop,
+                train_loop_config={
+                    "args": WorkerArgs(
+                        cfg=cfg,
+                        config_dict=config_dict,
+                        run_dir=out,
+                        train_files=train_split.files,
+                        layout=layout,
+                        data_record=record,
+                        cache_train=cache_train,
+                        train_rows=train_split.rows,
+                        val_files=splits["val"].files if "val" in splits else [],
+                        empty=probed.empty,
+                        resume_from=None if resume.registered or attempt else resume.path,
+                        control=control,
+                        quorum_store=store_at,
+                    )
+                },
+                scaling_config=ScalingConfig(
+                    num_workers=workers,  # type: ignore[arg-type]  # (min, max) is elastic
+                    use_gpu=sc.use_gpu,
+                    resources_per_worker={"CPU": sc.cpus_per_worker},
+                    placement_strategy=sc.placement_strategy,
+                    # Train V2 field (mypy sees the V1 class)
+                    elastic_resize_monitor_interval_s=sc.resize_interval_s,  # type: ignore[call-arg]
+                ),
+                run_config=RunConfig(
+                    name=cfg.run.name,
+                    storage_path=cfg.run.storage_path,
+                    checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+                    # an eviction restarts the worker group, which Ray Train counts as a
+                    # failure
+                    failure_config=FailureConfig(max_failures=sc.max_failures + _evictions(cfg)),
+                ),
+                torch_config=rendezvous.torch_config(sc.use_gpu, live=sc.live),
+            )
+            return control, trainer
+
         t = cfg.trainer
         display = DriverProgress(
             total_steps(
@@ -200,8 +208,27 @@ def _train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
             no_group = None
             if sc.placement_timeout_s:
                 no_group = (sc.placement_timeout_s, lambda waited: no_group_started(sc, waited))
-            with _run_control(control, trainer, display, Cordons(out, control), no_group):
-                result = trainer.fit()
+            attempt = 0
+            while True:
+                control, trainer = make_trainer(attempt)
+                try:
+                    with _run_control(control, trainer, display, Cordons(out, control), no_group):
+                        result = trainer.fit()
+                    break
+                except ray.train.ControllerError as e:
+                    # scaling.live: Ray Train's controller fails where replacing one
+                    # replica group meets another dead (several workers or a node lost
+                    # at once): the run starts a new fit from its last checkpoint
+                    attempt += 1
+                    if not sc.live or attempt > LIVE_REFITS:
+                        raise
+                    why = _first_line(e)
+                    print(
+                        f"[elastic] warning: Ray Train's controller failed ({why}): the "
+                        "workers restart from the last checkpoint",
+                        flush=True,
+                    )
+                    append_record(out, {"event": "refit", "time": time.time(), "why": why})
         finally:
             del serving  # the quorums' store: no worker needs it now
             display.close()
@@ -275,6 +302,15 @@ def check_resume_data(
             "may change once an epoch ends)"
         )
     return warning
+
+
+LIVE_REFITS = 3
+"""scaling.live: new fits after Ray Train's controller failed replacing workers."""
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return lines[-1] if lines else type(e).__name__
 
 
 def _evictions(cfg: TrainConfig) -> int:

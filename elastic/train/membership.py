@@ -58,6 +58,7 @@ class Quorums:
         self._check_every_s = check_every_s
         self._lock = threading.Condition()
         self.current = Membership(-1, [], 0)
+        self._next_id = 0  # ids are never reused (each quorum's keys in the store are its)
         self._asks: dict[str, tuple[int, int]] = {}  # member -> (quorum it leaves, step)
         self._dead: set[str] = set()
         self._expected = 0
@@ -104,7 +105,7 @@ class Quorums:
         form a first quorum, from the checkpoint)."""
         with self._lock:
             cur = self.current
-        if cur.id < 0:
+        if not cur.members:
             return -1
         alive = self._alive(cur.members)
         with self._lock:
@@ -112,11 +113,11 @@ class Quorums:
                 self.history.append(
                     {"id": cur.id, "ended": "every member gone", "time": time.time()}
                 )
-                self.current = Membership(-1, [], 0)
+                self.current = Membership(cur.id, [], 0)
                 self._asks.clear()
                 self._dead.clear()
                 self._expected = 0
-            return self.current.id
+            return self.current.id if self.current.members else -1
 
     def dead(self, quorum: int) -> list[str]:
         """Members of quorum ``quorum`` found dead (asked of Ray at most every
@@ -137,7 +138,7 @@ class Quorums:
         """Members the next quorum waits for (the lock held): those of the current one
         that have not asked, alive as far as is known; before the first, the workers
         Ray Train started that have not asked yet (by count)."""
-        if self.current.id < 0:
+        if not self.current.members:
             asked = [m for m in self._asks if m not in self._dead]
             return ["?"] * max(0, self._expected - len(asked)) if self._expected else ["?"]
         return [
@@ -153,7 +154,7 @@ class Quorums:
         they asked, and members that had not copied it yet)."""
         cur = self.current
         asked = [m for m in self._asks if m not in self._dead]
-        if cur.id < 0:
+        if not cur.members:
             holders, fresh = sorted(asked, key=_slot), []
         else:
             stay = [m for m in cur.members if m in asked]
@@ -168,7 +169,8 @@ class Quorums:
                 f"the members of quorum {cur.id} left it at different steps {sorted(steps)}: "
                 "their states differ, none can be the source"
             )
-        self.current = Membership(cur.id + 1, holders + fresh, steps.pop(), fresh=fresh)
+        self.current = Membership(self._next_id, holders + fresh, steps.pop(), fresh=fresh)
+        self._next_id += 1
         for m in holders + fresh:
             self._asks.pop(m, None)
         gone = [m for m in cur.members if m not in self.current.members]

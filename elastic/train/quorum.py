@@ -66,16 +66,19 @@ class QuorumBroken(RuntimeError):
 
 
 class Quorum:
-    """This worker's membership. ``store_at``: (host, port) of the run's store;
+    """This worker's membership. ``store_at``: (host, port, key prefix) of the run's
+    store;
     ``control``: the run's control actor; ``slot``: this worker's Ray Train rank;
     ``expected``: the workers Ray Train started (the first quorum waits for them)."""
 
     current: Quorum | None = None  # the process's, once made (the collectives' waits)
 
-    def __init__(self, store_at: tuple[str, int], control: Any, slot: int, expected: int):
-        self.store = dist.TCPStore(
-            store_at[0], store_at[1], is_master=False, timeout=timedelta(seconds=60)
-        )
+    def __init__(
+        self, store_at: tuple[str, int, str], control: Any, slot: int, expected: int
+    ) -> None:
+        host, port, prefix = store_at
+        self._tcp = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+        self.store = dist.PrefixStore(prefix, self._tcp)
         self.control, self.slot, self.expected = control, slot, expected
         self.name = member_name(slot, os.getpid())
         self.membership: Membership | None = None

@@ -37,6 +37,6 @@ class WorkerArgs:
     the run's checkpoints was missing or unreadable: ``integrity.prepare_resume``)."""
     control: Any = None
     """The run's control actor (stop requests, fatal errors, progress)."""
-    quorum_store: tuple[str, int] | None = None
-    """``scaling.live``: (host, port) of the store the driver serves for the quorums'
-    process groups (:mod:`elastic.train.quorum`)."""
+    quorum_store: tuple[str, int, str] | None = None
+    """``scaling.live``: (host, port, this fit's key prefix) of the store the driver
+    serves for the quorums' process groups (:mod:`elastic.train.quorum`)."""
