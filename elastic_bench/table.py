@@ -127,6 +127,28 @@ def _table_rows(results: dict) -> list[tuple[str, str, str, str, str, str]]:
                 f"{r[key + '_ratio']:.2f}", "" if target is None else f"<= {target:.0f} s",
                 _verdict(None if target is None else r[key] <= target),
             ))  # fmt: skip
+        if live := r.get("live"):
+            faults = ", ".join(k.replace("_", " ") for k in live["covered"])
+            rows.append((
+                f"live (scaling.live, 3 workers): survivors' stall, worst of {faults}",
+                f"{live['stall_s']:.2f} s",
+                f"{live['restart_worker_kill_s']:.1f} s (restart: worker SIGKILL -> next step)",
+                f"{live['stall_ratio_vs_restart']:.2f}", f"<= {recovery.LIVE_STALL_TARGET_S:.0f} s",
+                _verdict(live["stall_s"] <= recovery.LIVE_STALL_TARGET_S),
+            ))  # fmt: skip
+            rows.append((
+                "live: committed steps lost; survivors restarted (worst)",
+                f"{live['steps_lost']}; {live['survivor_restarts']}", "", "",
+                f"<= {recovery.LIVE_STEPS_LOST_TARGET}; 0",
+                _verdict(
+                    live["steps_lost"] <= recovery.LIVE_STEPS_LOST_TARGET
+                    and live["survivor_restarts"] == 0
+                ),
+            ))  # fmt: skip
+            rows.append((
+                "live: fault -> newcomer joined with the state copied from a survivor (worst)",
+                f"{live['heal_s']:.1f} s", "", "", "", "n/a",
+            ))  # fmt: skip
         rows.append((
             f"checkpoint share of wall time (every {r['checkpoint_every_steps']} steps)",
             f"{100 * r['checkpoint_overhead']:.2f}%", "", "",

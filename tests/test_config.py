@@ -269,6 +269,29 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         ),
         (["stragglers.max_evictions=-1"], "stragglers.max_evictions=-1 is not valid"),
         (["stragglers.cooldown_s=-1"], "stragglers.cooldown_s=-1.0 is not valid"),
+        # scaling.live: what live recovery does not do yet
+        (["scaling.live=true"], "scaling.live=true needs strategy.zero_stage=0 for now"),
+        (
+            ["scaling.live=true", "strategy.zero_stage=0", "strategy.precision=bf16"],
+            "needs strategy.precision=fp32 for now (each worker a replica group of its own), "
+            "not bf16: set strategy.precision=fp32 or scaling.live=false",
+        ),
+        (
+            ["scaling.live=true", "strategy.zero_stage=0", "strategy.overlap_reduce=false"],
+            "needs strategy.overlap_reduce=true",
+        ),
+        (
+            ["scaling.live=true", "strategy.zero_stage=0", "stragglers.policy=rebalance"],
+            "scaling.live=true with stragglers.policy=rebalance: not yet",
+        ),
+        (
+            ["scaling.live=true", "strategy.zero_stage=0", "scaling.max_failures=0"],
+            "scaling.live=true with scaling.max_failures=0",
+        ),
+        (
+            ["scaling.live=true", "strategy.zero_stage=0", "scaling.use_gpu=true"],
+            "scaling.live=true with scaling.use_gpu=true",
+        ),
     ]
 
 

@@ -233,6 +233,9 @@ def set_plan(engine: Any, plan: BatchPlan, rank: int) -> None:
     c.gradient_accumulation_steps = plan.grad_accum_steps
     engine.dp_world_size = engine.world_size = plan.world_size
     engine.global_rank = rank
+    # which rank writes the model's checkpoint file: set when the engine was built, in
+    # another group (a newcomer's alone) or at another rank (the eldest gone)
+    engine.save_non_zero_checkpoint = engine.checkpoint_engine.is_data_parallel_writer(rank)
 
 
 def set_base_lr(engine: Any, cfg: TrainConfig) -> None:

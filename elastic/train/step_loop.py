@@ -58,8 +58,9 @@ from elastic.train.timing import PhaseTimes
 from elastic.train.validation import Validator
 
 WHOLE_WAIT_S = 300.0
-"""Live: how long the end waits for a worker in a dead one's place (Ray Train starts
-it; the final checkpoint's report needs every worker it started)."""
+"""Live: how long a checkpoint (the final one included) waits for a worker in a dead
+one's place (Ray Train starts it; its report needs every worker it started) before
+the group gives up and restarts from the last checkpoint."""
 
 
 class StepLoop:
@@ -107,6 +108,7 @@ class StepLoop:
         self._drain_saved = False  # a node drain's checkpoint is made (once a group)
         self._leave_after_step = False  # live: a newcomer waits, this quorum ends
         self._save_due = False  # live: a checkpoint deferred until the quorum is whole
+        self._deferred_at = 0.0  # since when (monotonic seconds)
         self._end: dict[str, Any] | None = None  # live: trained and validated, at the end
         self._gathered_step = state.step  # the ledger's last gather (every rank's ids)
 
@@ -372,6 +374,10 @@ class StepLoop:
         """Collective: the ledger's gather (live: onto every member)."""
         gather_ledger(self.state.ledger, self.rank, self.world, everywhere=self.quorum is not None)
         self._gathered_step = self.state.step
+
+    def quorum_size(self) -> int:
+        """Live: the workers Ray Train started (a whole quorum)."""
+        return self.world if self.quorum is None else self.quorum.expected
 
     def _whole(self) -> bool:
         """Live: whether every worker Ray Train started is in the quorum (its report,
