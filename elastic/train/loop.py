@@ -143,7 +143,12 @@ def run(config: dict[str, Any]) -> None:
         loop_state = copy_state(engine, state, quorum.membership)[1]
         gather_ledger(state.ledger, rank, world, everywhere=True)  # as they do next
         reader = reader.resplit(world, state.epoch, state.step - state.epoch_start_step, rank)
-    state.wandb_run_id = tracker.run_id
+    if quorum is None:
+        state.wandb_run_id = tracker.run_id
+    elif not joining:  # every member knows rank 0's W&B run (any may become rank 0)
+        run_id = [tracker.run_id]
+        dist.broadcast_object_list(run_id, src=0)
+        state.wandb_run_id = run_id[0]
     control = args.control
     if rank == 0 and control is not None:
         starts, evicted = ray.get(control.register_start.remote(world))
