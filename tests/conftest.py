@@ -235,3 +235,20 @@ def fill(path) -> None:
                 f.write(b"\0" * 4096)
         except OSError:
             pass
+
+
+@pytest.fixture
+def cluster():
+    """``cluster(n)``: a real multi-raylet Ray cluster (a head and ``n`` one-worker
+    nodes), shut down after the test."""
+    from elastic_harness.localcluster import RayCluster
+
+    clusters: list[RayCluster] = []
+
+    def make(worker_nodes: int) -> RayCluster:
+        clusters.append(RayCluster(worker_nodes))
+        return clusters[-1]
+
+    yield make
+    for c in clusters:
+        c.shutdown()

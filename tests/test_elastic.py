@@ -17,7 +17,7 @@ from conftest import (
     planned_digests,
 )
 
-from elastic_harness.localcluster import RayCluster, Run, saving_pids
+from elastic_harness.localcluster import Run, saving_pids
 
 pytestmark = pytest.mark.slow  # the fast tier: pytest -m 'not slow'
 
@@ -31,19 +31,6 @@ def data(tmp_path_factory):
 
 def _overrides(data, *extra: str) -> list[str]:
     return cluster_overrides(data, 1024, BATCH, EPOCHS, FAST_POLL, *extra)
-
-
-@pytest.fixture
-def cluster():
-    clusters: list[RayCluster] = []
-
-    def make(worker_nodes: int) -> RayCluster:
-        clusters.append(RayCluster(worker_nodes))
-        return clusters[-1]
-
-    yield make
-    for c in clusters:
-        c.shutdown()
 
 
 def _losses(run: Run) -> list[tuple[int, float]]:

@@ -31,19 +31,6 @@ def data(tmp_path_factory):
     return cluster_data(tmp_path_factory.mktemp("live-data"), ROWS, seed=3)
 
 
-@pytest.fixture
-def cluster():
-    clusters: list[RayCluster] = []
-
-    def make(worker_nodes: int) -> RayCluster:
-        clusters.append(RayCluster(worker_nodes))
-        return clusters[-1]
-
-    yield make
-    for c in clusters:
-        c.shutdown()
-
-
 def _run(c: RayCluster, data, tmp_path, name: str) -> Run:
     overrides = cluster_overrides(data, 1024, BATCH, EPOCHS, FAST_POLL, *LIVE)
     overrides += ["scaling.min_workers=2", f"scaling.max_workers={WORKERS}"]

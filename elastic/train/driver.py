@@ -22,7 +22,7 @@ from elastic.data.order import Layout
 from elastic.data.pipeline import fits_cache, warm_up
 from elastic.data.reader import content_changes, data_record, layout_changes, setting_changes
 from elastic.data.shards import Split, check_dataset, split_warnings
-from elastic.errors import CheckpointError, ClusterUnavailableError, RunError
+from elastic.errors import CheckpointError, ClusterUnavailableError, RunError, exception_text
 from elastic.observe.metrics import (
     SESSION_END,
     SESSION_START,
@@ -222,7 +222,7 @@ def _train(cfg: TrainConfig, config_dict: dict[str, Any]) -> dict[str, Any]:
                     attempt += 1
                     if not sc.live or attempt > LIVE_REFITS:
                         raise
-                    why = _first_line(e)
+                    why = exception_text(e, 200)
                     print(
                         f"[elastic] warning: Ray Train's controller failed ({why}): the "
                         "workers restart from the last checkpoint",
@@ -306,11 +306,6 @@ def check_resume_data(
 
 LIVE_REFITS = 3
 """scaling.live: new fits after Ray Train's controller failed replacing workers."""
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [line for line in str(e).splitlines() if line.strip()]
-    return lines[-1] if lines else type(e).__name__
 
 
 def _evictions(cfg: TrainConfig) -> int:

@@ -126,15 +126,21 @@ def run(config: dict[str, Any]) -> None:
     # seconds each part of this start took, in order
     edges = [started, *marks.values()]
     startup = {k: t - edges[i] for i, (k, t) in enumerate(marks.items())}
-    tracker = make_tracker(
-        rank,
-        cfg=cfg.logger,
-        run_dir=args.run_dir,
-        run_name=cfg.run.name,
-        experiment=cfg.run.experiment,
-        config=args.config_dict,
-        run_id=state.wandb_run_id,
-    )
+
+    def tracker_of(rank: int) -> NullTracker:
+        """Rank 0's tracker (W&B, the run's records; the run's W&B run resumed), a null
+        one elsewhere."""
+        return make_tracker(
+            rank,
+            cfg=cfg.logger,
+            run_dir=args.run_dir,
+            run_name=cfg.run.name,
+            experiment=cfg.run.experiment,
+            config=args.config_dict,
+            run_id=state.wandb_run_id,
+        )
+
+    tracker = tracker_of(rank)
     where = _where(world)
     loop_state: dict[str, Any] = {}
     if joining:
@@ -176,15 +182,7 @@ def run(config: dict[str, Any]) -> None:
         assert quorum is not None
         if m.rank(quorum.name) == 0 and not lead[0]:
             lead[0] = True
-            tracker = make_tracker(
-                0,
-                cfg=cfg.logger,
-                run_dir=args.run_dir,
-                run_name=cfg.run.name,
-                experiment=cfg.run.experiment,
-                config=args.config_dict,
-                run_id=state.wandb_run_id,
-            )
+            tracker = tracker_of(0)
         return tracker, _where(m.size)
 
     trainer = StepLoop(
@@ -203,7 +201,8 @@ def run(config: dict[str, Any]) -> None:
         quorum=quorum,
         rewire=rewire if quorum is not None else None,
     )
-    trainer._save_due = bool(loop_state.get("save_due", False))
+    if trainer.live is not None:
+        trainer.live.take(loop_state)  # a newcomer: rank 0's deferred checkpoint, its end
     end = loop_state.get("end")  # a newcomer that joined the others at the end
     try:
         if end is not None:
