@@ -70,7 +70,12 @@ class LiveRun:
         self._wire(m.rank(self.quorum.name), where, tracker)
         copied = copy_state(loop.engine, s, m, self.loop_state())[0] if m.fresh else 0
         self.gather()
-        loop.reader = loop.reader.resplit(m.size, s.epoch, s.step - s.epoch_start_step, loop.rank)
+        if self.end is None:
+            loop.reader = loop.reader.resplit(
+                m.size, s.epoch, s.step - s.epoch_start_step, loop.rank
+            )
+        else:  # at the end nothing is left to read: the split, for a member lost now
+            loop.reader.rank, loop.reader.world = loop.rank, m.size
         if not s.world_sizes or s.world_sizes[-1] != m.size:
             s.world_sizes.append(m.size)
             s.batch_plans.append(loop.plan.to_dict())
@@ -115,6 +120,7 @@ class LiveRun:
     def take(self, loop_state: dict[str, Any]) -> None:
         """A newcomer: rank 0's :meth:`loop_state`."""
         self.save_due = bool(loop_state.get("save_due", False))
+        self._deferred_at = time.monotonic()  # its wait counts from here
         self.end = loop_state.get("end")
 
     def _lost_rows(self, ranks: list[int]) -> int:

@@ -206,7 +206,8 @@ def run(config: dict[str, Any]) -> None:
     end = loop_state.get("end")  # a newcomer that joined the others at the end
     try:
         if end is not None:
-            reader.close()
+            reader.close()  # nothing left to read: kept for its split (LiveRun)
+            trainer.reader = reader
             trainer.stop_reason, val = end["stop_reason"], end["val"]
         else:
             trainer.train(reader, args.val_files)
