@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from elastic.train.membership import member_pid
 from elastic_bench.common import ELASTIC_MODEL, elastic_data, smoke_config
 from elastic_harness.localcluster import RayCluster, Run
 
@@ -47,10 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-live", action="store_true", help="skip the live recovery round")
 
 
-def _pid(member: str) -> int:
-    return int(member.split(".")[1])
-
-
 def _fault_figures(run: Run, t: float, survivors: set[int], wait_join: bool) -> dict:
     """After a fault at ``t``: the survivors' stall, committed steps lost, survivors
     restarted; with a replica's place free (``wait_join``) the newcomer's join, else
@@ -64,7 +61,7 @@ def _fault_figures(run: Run, t: float, survivors: set[int], wait_join: bool) -> 
             or [e for e in run.events("restart") + run.events("refit") if e["time"] >= t]
         ),
     )[0]
-    kept = {_pid(m) for m in broke.get("members", [])}
+    kept = {member_pid(m) for m in broke.get("members", [])}
     if kept:  # live: the last step the old quorum committed -> the next one's first
         step = broke["step"]
         run.wait_for("a step after it", lambda: run.last_step() > step)
@@ -130,7 +127,7 @@ def _live_round(workdir: str) -> dict:
         def members() -> list[int]:
             quorums = run.events("quorum")
             if quorums:
-                return [_pid(m) for m in quorums[-1]["members"]]
+                return [member_pid(m) for m in quorums[-1]["members"]]
             return sorted(cluster.train_worker_pids())
 
         now = members()

@@ -199,9 +199,6 @@ class RunControl(DrainWatching):
         """Members of quorum ``quorum`` whose processes are gone (Ray says)."""
         return self.quorums.dead(quorum)
 
-    def quorum_history(self) -> list[dict[str, Any]]:
-        return list(self.quorums.history)
-
     def _alive(self, members: list[str]) -> set[str]:
         """Which of ``members`` Ray still has a worker actor for (one that does not
         answer within a second is busy, so alive)."""

@@ -48,6 +48,11 @@ def member_name(slot: int, pid: int) -> str:
     return f"{slot}.{pid}"
 
 
+def member_pid(member: str) -> int:
+    """The process id in a member's name."""
+    return int(member.split(".")[1])
+
+
 class Quorums:
     """The quorums of one fit(). ``expected``: the worker count of the first one (Ray
     Train's group); ``alive(names)``: which of those members' processes are alive (it

@@ -79,7 +79,7 @@ class Quorum:
         host, port, prefix = store_at
         self._tcp = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
         self.store = dist.PrefixStore(prefix, self._tcp)
-        self.control, self.slot, self.expected = control, slot, expected
+        self.control, self.expected = control, expected
         self.name = member_name(slot, os.getpid())
         self.membership: Membership | None = None
         self._qstore: Any = None
@@ -88,11 +88,6 @@ class Quorum:
         _install()
 
     # -- membership ---------------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        assert self.membership is not None
-        return self.membership.rank(self.name)
-
     @property
     def size(self) -> int:
         assert self.membership is not None
@@ -167,7 +162,7 @@ class Quorum:
         """Whether a newcomer waits to join this quorum."""
         return bool(self._qstore.check(["join"]))
 
-    def leave_now(self, why: BaseException | None = None) -> None:
+    def leave_now(self) -> None:
         """Mark the quorum broken (this member cannot go on in it)."""
         if self._qstore is not None:
             self._qstore.set("broken", self.name)
@@ -186,7 +181,7 @@ class Quorum:
         try:
             work.wait()
         except Exception as e:
-            self.leave_now(e)
+            self.leave_now()
             raise QuorumBroken(f"quorum {self._id()}: a collective failed ({e})") from e
 
     def commit(self, step: int) -> bool:
